@@ -1,0 +1,1 @@
+"""The framework-agnostic runtime: engine, negotiation, fusion, process sets, rendezvous."""

@@ -1,0 +1,315 @@
+"""Process-wide state: ``init``, ``shutdown``, topology queries and build information.
+
+Exactly one engine runs per process. This module creates it from the environment, answers
+topology questions, and tears it down. It does not know the framework's tensors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from hora.common.config import Settings, lookup
+from hora.common.engine import Engine
+from hora.common.errors import NOT_INITIALIZED
+from hora.common.process_sets import ProcessSet
+from hora.common.rendezvous import StoreClient
+from hora.common.topology import Topology, detect
+from hora.common.transport import Communicator
+
+logger = logging.getLogger("hora")
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.engine: Engine | None = None
+        self.topology: Topology | None = None
+        self.generation = 0
+        self.process_sets: dict[int, ProcessSet] = {}
+        self.atexit_registered = False
+
+
+_state = _State()
+
+
+def _configure_logging(level: str, rank: int) -> None:
+    if getattr(_configure_logging, "done", False):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    hide_time = (lookup("LOG_HIDE_TIME") or "0") not in ("0", "")
+    fmt = "[%(levelname)s hora rank " + str(rank) + "] %(message)s"
+    if not hide_time:
+        fmt = "[%(asctime)s " + fmt[1:]
+    handler.setFormatter(logging.Formatter(fmt))
+    logger.addHandler(handler)
+    logger.setLevel("DEBUG" if level == "TRACE" else ("CRITICAL" if level == "FATAL" else level))
+    logger.propagate = False
+    _configure_logging.done = True  # type: ignore[attr-defined]
+
+
+def _communicator_factory(topology: Topology, settings: Settings, store: StoreClient) -> Any:
+    from hora.common.transport.gloo import GlooCommunicator, make_device
+
+    interface = lookup("GLOO_IFACE") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    bind = "127.0.0.1" if topology.all_local and not interface else ""
+    device = make_device(bind, interface)
+
+    def factory(scope: str, rank: int, size: int) -> Communicator:
+        return GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
+
+    return factory
+
+
+def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
+    """Start hora in this process: join the job's other processes and start the engine.
+
+    Args:
+        comm: accepted for Horovod compatibility; must be ``None`` (the whole job).
+        process_sets: ``ProcessSet`` objects to register on every rank (all ranks pass the same
+            list), or ``"dynamic"`` to allow ``add_process_set`` later.
+
+    Raises:
+        ValueError: the arguments or the launcher's variables are invalid.
+        HoraInternalError: the other ranks could not be reached.
+
+    Example:
+        >>> import hora.torch as hvd
+        >>> hvd.init()
+        >>> print(hvd.rank(), hvd.size())
+    """
+    with _state.lock:
+        if _state.engine is not None and _state.engine.running:
+            return
+        if comm is not None:
+            raise ValueError(
+                "hvd.init(comm=...) is not supported by hora: every process of the job takes "
+                "part. Use process sets (hvd.ProcessSet) to run collectives on a subset of ranks."
+            )
+        dynamic = process_sets == "dynamic"
+        sets: list[ProcessSet] = [] if dynamic or process_sets is None else list(process_sets)  # type: ignore[arg-type]
+        settings = Settings.from_env()
+        if dynamic:
+            settings = _replace(settings, dynamic_process_sets=True)
+        topology = detect()
+        _configure_logging(settings.log_level, topology.rank)
+        timeout = float(lookup("START_TIMEOUT") or 30)
+        store = StoreClient(
+            topology.rendezvous_addr, topology.rendezvous_port, topology.secret, timeout
+        )
+        member_lists: list[tuple[int, ...]] = []
+        for process_set in sets:
+            if not isinstance(process_set, ProcessSet):
+                raise ValueError(
+                    f"process_sets must hold hvd.ProcessSet objects, got {type(process_set)}."
+                )
+            bad = [r for r in process_set.ranks if r >= topology.size]
+            if bad:
+                raise ValueError(
+                    f"{process_set} names ranks {bad}, but the job has only {topology.size} "
+                    f"processes (ranks 0..{topology.size - 1})."
+                )
+            ranks = tuple(process_set.ranks)
+            if ranks in member_lists or ranks == tuple(range(topology.size)):
+                raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+            member_lists.append(ranks)
+        engine = Engine(
+            topology,
+            settings,
+            store,
+            _communicator_factory(topology, settings, store),
+            generation=_state.generation,
+            process_sets=member_lists,
+        )
+        _state.generation += 1
+        engine.start()
+        _state.engine = engine
+        _state.topology = topology
+        global_process_set.ranks = list(range(topology.size))
+        global_process_set._bind(0, topology.rank)
+        _state.process_sets = {0: global_process_set}
+        for set_id, process_set in enumerate(sets, start=1):
+            process_set._bind(set_id, topology.rank)
+            _state.process_sets[set_id] = process_set
+        if not _state.atexit_registered:
+            atexit.register(shutdown)
+            _state.atexit_registered = True
+        logger.debug("initialized: %s", topology)
+
+
+def _replace(settings: Settings, **changes: Any) -> Settings:
+    from dataclasses import replace
+
+    return replace(settings, **changes)
+
+
+def shutdown() -> None:
+    """Stop the engine. Pending operations on every rank fail; ``init`` may be called again."""
+    with _state.lock:
+        engine = _state.engine
+        if engine is None:
+            return
+        engine.shutdown()
+        _state.engine = None
+        for process_set in _state.process_sets.values():
+            if process_set is not global_process_set:
+                process_set._unbind()
+        _state.process_sets = {}
+
+
+def is_initialized() -> bool:
+    """Whether ``init`` has run (and ``shutdown`` has not)."""
+    return _state.engine is not None
+
+
+def engine() -> Engine:
+    """The running engine.
+
+    Raises:
+        ValueError: ``init`` has not been called.
+    """
+    current = _state.engine
+    if current is None:
+        raise ValueError(NOT_INITIALIZED)
+    return current
+
+
+def topology() -> Topology:
+    if _state.engine is None or _state.topology is None:
+        raise ValueError(NOT_INITIALIZED)
+    return _state.topology
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return topology().size
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return topology().rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return topology().local_size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on this host (use it to pick the GPU)."""
+    return topology().local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a process with this process's local rank."""
+    return topology().cross_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts with a process of this local rank."""
+    return topology().cross_rank
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    t = topology()
+    return t.local_size * t.cross_size == t.size
+
+
+def register_process_set(process_set: ProcessSet) -> ProcessSet:
+    """Add a process set on every rank (collective: all ranks call it in the same order)."""
+    current = engine()
+    if not current.settings.dynamic_process_sets:
+        raise ValueError(
+            "Set HORA_DYNAMIC_PROCESS_SETS=1 (or HOROVOD_DYNAMIC_PROCESS_SETS=1, or "
+            "hvd.init(process_sets='dynamic')) to allow adding process sets after "
+            "initialization."
+        )
+    ranks = tuple(process_set.ranks)
+    if current.process_sets.find(ranks) is not None:
+        raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+    bad = [r for r in ranks if r >= current.size]
+    if bad:
+        raise ValueError(f"{process_set} names ranks {bad} outside 0..{current.size - 1}.")
+    set_id = current.register_process_set(ranks).wait()[0]
+    process_set._bind(set_id, current.rank)
+    _state.process_sets[set_id] = process_set
+    return process_set
+
+
+def unregister_process_set(process_set: ProcessSet) -> bool:
+    """Remove a process set on every rank (collective). Returns whether it was registered."""
+    current = engine()
+    if not current.settings.dynamic_process_sets:
+        raise ValueError(
+            "Set HORA_DYNAMIC_PROCESS_SETS=1 to allow removing process sets after initialization."
+        )
+    if process_set.process_set_id == 0:
+        raise ValueError("The global process set cannot be removed.")
+    if process_set.process_set_id is None or current.process_sets.find(tuple(process_set.ranks)) is None:
+        return False
+    current.register_process_set(tuple(process_set.ranks), remove=True).wait()
+    _state.process_sets.pop(process_set.process_set_id, None)
+    process_set._unbind()
+    return True
+
+
+# ---------------------------------------------------------------- build and runtime information
+
+
+def gloo_built() -> bool:
+    """hora's CPU transport is Gloo, through ``torch.distributed``."""
+    from hora.common.transport.gloo import gloo_available
+
+    return gloo_available()
+
+
+def gloo_enabled() -> bool:
+    """Whether the running job moves data over Gloo (always, once initialized)."""
+    return is_initialized() and gloo_built()
+
+
+def mpi_built() -> bool:
+    """hora has no MPI transport yet."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    raise ValueError("MPI is not enabled in hora; jobs use the Gloo transport.")
+
+
+def nccl_built() -> int:
+    """0: hora runs GPU tensors through host memory over Gloo; it does not use NCCL yet."""
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether CUDA tensors are accepted (they are staged through host memory)."""
+    import torch
+
+    return bool(torch.backends.cuda.is_built())
+
+
+def rocm_built() -> bool:
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None

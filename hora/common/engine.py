@@ -1,0 +1,791 @@
+"""The per-process engine: a background thread that negotiates, fuses and runs collectives.
+
+The user's thread hands in :class:`Entry` objects (a request plus its tensors) and gets a
+:class:`Handle`. The background thread runs cycles; one cycle is::
+
+    _exchange()    every rank contributes its new requests (or response-cache bits)
+    _negotiate()   every rank derives the same ordered list of agreed responses
+    _execute()     fused batches run on the transport, in that order
+    _complete()    handles finish with a result or an error
+
+When nothing has happened for a few cycles on any rank, every rank parks at the same cycle and
+stops using CPU; the first rank that gets new work rings a doorbell in the store and all resume.
+A peer that dies or hangs turns into :class:`HoraInternalError` on every survivor, naming the
+lost rank. The engine sees requests and flat buffers, never modules or optimizers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hora.common import fusion
+from hora.common.config import Settings
+from hora.common.dtypes import FLOATING, INTEGER
+from hora.common.errors import DUPLICATE_NAME, HoraInternalError, shut_down_message
+from hora.common.message import CycleMessage, ReduceOp, Request, RequestType, Response
+from hora.common.negotiation import MessageTable, ResponseCache
+from hora.common.process_sets import ProcessSetTable
+from hora.common.rendezvous import FAILURE_KEY, StoreClient, exit_key
+from hora.common.stall import StallInspector
+from hora.common.topology import Topology
+from hora.common.transport import Communicator, TransportError
+
+logger = logging.getLogger("hora")
+
+# Park after this many consecutive cycles in which no rank had anything new (at least ~5 ms).
+PARK_AFTER_IDLE_S = 0.005
+# How often a parked or waiting thread looks at the store for failures.
+WATCH_INTERVAL_S = 0.5
+# How long a survivor waits for the launcher's (or other survivors') account of a failure.
+DIAGNOSE_WINDOW_S = 2.0
+
+class Handle:
+    """The pending result of one collective call (several tensors for a grouped call)."""
+
+    __slots__ = ("_event", "_remaining", "error", "grouped", "id", "kind", "results")
+
+    _ids = itertools.count(1)
+
+    def __init__(self, count: int, kind: RequestType, grouped: bool = False) -> None:
+        self.id = next(Handle._ids)
+        self.kind = kind
+        self.grouped = grouped
+        self.results: list[Any] = [None] * count
+        self.error: str | None = None
+        self._remaining = count
+        self._event = threading.Event()
+        if count == 0:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> list[Any]:
+        """Block until done; return the per-tensor results.
+
+        Raises:
+            HoraInternalError: the operation failed on this rank.
+        """
+        self._event.wait()
+        if self.error is not None:
+            raise HoraInternalError(self.error)
+        return self.results
+
+    def _set(self, index: int, value: Any) -> None:
+        self.results[index] = value
+        self._remaining -= 1
+        if self._remaining == 0 and self.error is None:
+            self._event.set()
+
+    def _fail(self, message: str) -> None:
+        if not self._event.is_set():
+            self.error = message
+            self._event.set()
+
+
+@dataclass(eq=False)
+class Entry:
+    """One tensor of one call: what was asked, the input, and where the result goes."""
+
+    request: Request
+    tensor: torch.Tensor | None
+    output: torch.Tensor | None
+    handle: Handle
+    index: int = 0
+    on_done: Callable[[Any], Any] | None = field(default=None)
+
+
+def _compute_dtype(dtype: torch.dtype, op: ReduceOp) -> tuple[torch.dtype, ReduceOp]:
+    """The dtype and op the transport reduces in, where Gloo lacks a kernel for ``dtype``."""
+    if dtype == torch.bool:
+        # Logical or for Sum/Max, logical and for Min/Product.
+        return torch.uint8, (ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN)
+    if dtype == torch.int16:
+        return torch.int32, op
+    return dtype, op
+
+
+def _scale(buffer: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply by ``factor`` as Horovod does: integers via float64, truncating; halves via fp32."""
+    if factor == 1.0:
+        return buffer
+    if buffer.dtype in (torch.float16, torch.bfloat16):
+        return buffer.float().mul_(factor).to(buffer.dtype)
+    if not buffer.is_floating_point():
+        return buffer.double().mul_(factor).trunc_().to(buffer.dtype)
+    return buffer.mul_(factor)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Engine:
+    """The background runtime of one process.
+
+    Args:
+        topology: this process's place in the job.
+        settings: engine settings.
+        store: a connection to the job's store (an in-process one for a job of one).
+        communicator_factory: builds a communicator for ``(scope, rank_in_set, set_size)``.
+        generation: how many times ``init`` ran before in this process (keeps scopes distinct).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        settings: Settings,
+        store: StoreClient,
+        communicator_factory: Callable[[str, int, int], Communicator],
+        generation: int = 0,
+        process_sets: list[tuple[int, ...]] | None = None,
+    ) -> None:
+        self.topology = topology
+        self.settings = settings
+        self.rank = topology.rank
+        self.size = topology.size
+        self._store = store
+        self._make_communicator = communicator_factory
+        self._generation = generation
+        self.process_sets = ProcessSetTable(topology.size)
+        self._communicators: dict[int, Communicator] = {}
+        self._cache = ResponseCache(settings.cache_capacity)
+        self._table = MessageTable(self.process_sets)
+        self._stall = StallInspector(
+            settings.stall_check_time_s,
+            settings.stall_shutdown_time_s,
+            settings.stall_check_enabled and topology.rank == 0,
+        )
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._queue: deque[Entry] = deque()
+        self._in_flight: dict[str, Entry] = {}
+        self._shutdown_reason: str | None = None
+        self._failure: str | None = None
+        self._running = False
+        self._parked_generation = 0
+        self._woken_generation = 0
+        self._idle_cycles = 0
+        self._park_after = max(2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(settings.cycle_time_ms, 0.1)))
+        self._last_cycle_start = 0.0
+        self._thread: threading.Thread | None = None
+        self._watcher: _Watcher | None = None
+        self._control = self._connect("control", 0, self.rank, self.size)
+        self._communicators[0] = self._connect("ps0", 0, self.rank, self.size)
+        for ranks in process_sets or []:
+            set_id = self.process_sets.reserve_id()
+            self._register_process_set(set_id, ranks)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _connect(self, scope: str, set_id: int, rank: int, size: int) -> Communicator:
+        try:
+            return self._make_communicator(f"g{self._generation}/{scope}", rank, size)
+        except TransportError as exc:
+            raise HoraInternalError(
+                f"rank {self.rank}: could not connect to the other ranks of process set {set_id} "
+                f"({exc}). Check that every rank called hvd.init() and that the hosts can reach "
+                "each other (HORA_GLOO_IFACE selects the network interface)."
+            ) from exc
+
+    def start(self) -> None:
+        self._running = True
+        self._last_cycle_start = time.monotonic()
+        if self.size > 1:
+            self._watcher = _Watcher(self, self._store.reconnect())
+            self._watcher.start()
+        self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, reason: str | None = None) -> None:
+        """Stop this rank's engine and, through negotiation, every other rank's."""
+        with self._wakeup:
+            if self._shutdown_reason is None:
+                self._shutdown_reason = reason or f"rank {self.rank} called hvd.shutdown()"
+            self._wakeup.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.settings.gloo_timeout_s + 10)
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher.join(timeout=2 * WATCH_INTERVAL_S + 1)
+        for comm in [self._control, *self._communicators.values()]:
+            if self._failure is not None:
+                comm.abort()
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    # ----------------------------------------------------------------- user thread
+
+    def enqueue(self, entries: list[Entry]) -> None:
+        """Queue entries atomically (a grouped call's entries reach negotiation together).
+
+        Raises:
+            ValueError: a name is already in flight on this rank.
+            HoraInternalError: the engine has stopped.
+        """
+        with self._wakeup:
+            if not self._running or self._shutdown_reason is not None:
+                raise HoraInternalError(
+                    self._failure or shut_down_message(self._shutdown_reason)
+                )
+            names = [e.request.name for e in entries]
+            for name in names:
+                if name in self._in_flight:
+                    raise ValueError(DUPLICATE_NAME.format(name=name))
+            if len(set(names)) != len(names):
+                raise ValueError(DUPLICATE_NAME.format(name=names[0]))
+            for entry in entries:
+                self._in_flight[entry.request.name] = entry
+            self._queue.extend(entries)
+            self._wakeup.notify_all()
+
+    def register_process_set(self, ranks: tuple[int, ...], remove: bool = False) -> Handle:
+        """Negotiate adding (or removing) a process set; the handle's result is its id."""
+        if remove:
+            set_id = self.process_sets.find(ranks)
+            if set_id is None:
+                raise ValueError(f"no registered process set has ranks {list(ranks)}")
+            name = f"process_set.{set_id}.remove"
+            kind = RequestType.REMOVE_PROCESS_SET
+        else:
+            set_id = self.process_sets.reserve_id()
+            name = f"process_set.{set_id}.add"
+            kind = RequestType.ADD_PROCESS_SET
+        handle = Handle(1, kind)
+        request = Request(name=name, kind=kind, dtype="uint8", ranks=ranks)
+        self.enqueue([Entry(request, None, None, handle)])
+        return handle
+
+    # ----------------------------------------------------------------- background thread
+
+    def _loop(self) -> None:
+        try:
+            while self._cycle():
+                pass
+        except TransportError as exc:
+            self._fail(self._diagnose(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
+            logger.exception("hora engine on rank %d stopped", self.rank)
+            self._fail(f"rank {self.rank}: the hora engine stopped: {exc!r}")
+        finally:
+            self._running = False
+
+    def _cycle(self) -> bool:
+        self._wait_for_turn()
+        new = self._drain()
+        contributions = self._exchange(new)
+        shutdown_reason = self._integrate(contributions)
+        responses = self._table.ready(self._cache)
+        had_news = any(reqs for reqs, _ in contributions) or bool(responses)
+        self._idle_cycles = 0 if had_news else self._idle_cycles + 1
+        self._execute(responses)
+        if shutdown_reason is not None:
+            self._finish(shut_down_message(shutdown_reason))
+            return False
+        if self._stall.due() and self._table:
+            reason = self._stall.check(self._table)
+            if reason is not None:
+                with self._wakeup:
+                    self._shutdown_reason = self._shutdown_reason or reason
+        return True
+
+    def _wait_for_turn(self) -> None:
+        if self.size > 1 and self._idle_cycles >= self._park_after:
+            self._park()
+            return
+        delay = self._last_cycle_start + self.settings.cycle_time_ms / 1000 - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        self._last_cycle_start = time.monotonic()
+        if self.size == 1:
+            with self._wakeup:
+                while not self._queue and self._shutdown_reason is None:
+                    self._wakeup.wait()
+
+    def _park(self) -> None:
+        """Sleep until this rank has work, another rank rings, or a check is due."""
+        generation = self._parked_generation = self._parked_generation + 1
+        if self.rank == 0 and generation > 1:
+            self._store.delete(f"g{self._generation}/wake/{generation - 1}")
+        assert self._watcher is not None
+        self._watcher.watch(generation)
+        ring = False
+        with self._wakeup:
+            while True:
+                if self._failure_seen():
+                    break
+                if self._queue or self._shutdown_reason is not None:
+                    ring = True
+                    break
+                if self._woken_generation >= generation:
+                    break
+                self._wakeup.wait(timeout=WATCH_INTERVAL_S)
+                if self._stall.due() and self._table:
+                    reason = self._stall.check(self._table)
+                    if reason is not None:
+                        self._shutdown_reason = self._shutdown_reason or reason
+        if ring:
+            self._store.set_signed(f"g{self._generation}/wake/{generation}", b"")
+        self._idle_cycles = 0
+        self._last_cycle_start = time.monotonic()
+
+    def _failure_seen(self) -> bool:
+        return self._watcher is not None and self._watcher.failure is not None
+
+    def _wake(self, generation: int) -> None:
+        with self._wakeup:
+            self._woken_generation = max(self._woken_generation, generation)
+            self._wakeup.notify_all()
+
+    def _drain(self) -> list[Entry]:
+        with self._wakeup:
+            new = list(self._queue)
+            self._queue.clear()
+            return new
+
+    # ----------------------------------------------------------------- negotiation
+
+    def _exchange(self, new: list[Entry]) -> list[tuple[tuple[Request, ...], str | None]]:
+        """Every rank's new requests this cycle, in rank order."""
+        bits: list[int] = []
+        full: list[Request] = []
+        for entry in new:
+            bit = self._cache.bit_for(entry.request, self.rank)
+            if bit is None:
+                full.append(entry.request)
+            else:
+                bits.append(bit)
+        message = CycleMessage(tuple(full), tuple(bits), self._shutdown_reason)
+        if self.size == 1:
+            return [(tuple(entry.request for entry in new), message.shutdown)]
+        payload = message.encode_payload()
+        bitmap = 0
+        for bit in bits:
+            bitmap |= 1 << bit
+        nbytes = (max(self._cache.capacity, 1) + 7) // 8
+        header = struct.pack("<q", len(payload)) + bitmap.to_bytes(nbytes, "little")
+        headers = self._allgather_bytes(header)
+        lengths = [struct.unpack("<q", h[:8])[0] for h in headers]
+        payloads: list[bytes] = [b""] * self.size
+        longest = max(lengths)
+        if longest > 0:
+            padded = self._allgather_bytes(payload + bytes(longest - len(payload)))
+            payloads = [p[:n] for p, n in zip(padded, lengths)]
+        contributions: list[tuple[tuple[Request, ...], str | None]] = []
+        for rank in range(self.size):
+            received = int.from_bytes(headers[rank][8:], "little")
+            expanded: list[Request] = []
+            while received:
+                low = received & -received
+                expanded.append(self._cache.expand(low.bit_length() - 1, rank))
+                received ^= low
+            try:
+                requests, shutdown = CycleMessage.decode_payload(payloads[rank])
+            except ValueError as exc:
+                raise HoraInternalError(f"rank {rank} sent a malformed message: {exc}") from exc
+            contributions.append((tuple(expanded) + requests, shutdown))
+        return contributions
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outputs = [torch.empty_like(buffer) for _ in range(self.size)]
+        self._control.allgather(outputs, buffer)
+        return [o.numpy().tobytes() for o in outputs]
+
+    def _integrate(self, contributions: list[tuple[tuple[Request, ...], str | None]]) -> str | None:
+        reason: str | None = None
+        for rank, (requests, shutdown) in enumerate(contributions):
+            for request in requests:
+                self._table.add(rank, request)
+            if shutdown is not None and reason is None:
+                reason = shutdown
+        return reason
+
+    # ----------------------------------------------------------------- execution
+
+    def _execute(self, responses: list[Response]) -> None:
+        for batch in fusion.plan(
+            responses, self.settings.fusion_threshold_bytes, self.settings.disable_group_fusion
+        ):
+            head = batch[0]
+            if head.error is not None:
+                for name in head.names:
+                    self._fail_name(name, head.error)
+                continue
+            if head.kind in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET):
+                self._change_process_set(head)
+                continue
+            if head.kind == RequestType.JOIN:
+                entry = self._take(head.names[0])
+                if entry is not None:
+                    self._finish_entry(entry, head.last_joined_rank)
+                continue
+            members = self.process_sets.members(head.process_set_id)
+            if self.rank not in members:
+                continue
+            if head.kind == RequestType.BARRIER:
+                entry = self._take(head.names[0])
+                if entry is not None:
+                    self._finish_entry(entry, None)
+                continue
+            comm = self._communicators[head.process_set_id]
+            if head.kind == RequestType.ALLREDUCE:
+                self._allreduce(batch, comm)
+            elif head.kind == RequestType.ALLGATHER:
+                self._allgather(head, comm, members)
+            elif head.kind == RequestType.BROADCAST:
+                self._broadcast(head, comm, members)
+            elif head.kind == RequestType.ALLTOALL:
+                self._alltoall(head, comm, members)
+            elif head.kind == RequestType.REDUCESCATTER:
+                self._reducescatter(head, comm, members)
+
+    def _take(self, name: str) -> Entry | None:
+        with self._wakeup:
+            return self._in_flight.pop(name, None)
+
+    def _finish_entry(self, entry: Entry, result: Any) -> None:
+        if entry.on_done is not None:
+            result = entry.on_done(result)
+        entry.handle._set(entry.index, result)
+
+    def _fail_name(self, name: str, message: str) -> None:
+        entry = self._take(name)
+        if entry is not None:
+            entry.handle._fail(message)
+
+    def _allreduce(self, batch: list[Response], comm: Communicator) -> None:
+        entries = [self._take(r.names[0]) for r in batch]
+        head = batch[0].template()
+        inputs: list[torch.Tensor] = []
+        for response, entry in zip(batch, entries):
+            if entry is None or entry.tensor is None:  # joined: contribute zeros
+                template = response.template()
+                inputs.append(torch.zeros(template.shape, dtype=_torch_dtype(template.dtype)))
+            else:
+                inputs.append(entry.tensor)
+        device = inputs[0].device
+        if len(inputs) == 1:
+            flat = inputs[0].reshape(-1)
+            entry = entries[0]
+            if entry is not None and entry.output is not None and entry.output is not inputs[0]:
+                entry.output.copy_(inputs[0])
+                flat = entry.output.reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in inputs])
+        set_size = len(self.process_sets.members(batch[0].process_set_id))
+        postscale = head.postscale
+        if head.reduce_op == ReduceOp.AVERAGE:
+            postscale /= set_size
+        op = ReduceOp.SUM if head.reduce_op == ReduceOp.AVERAGE else head.reduce_op
+        work_dtype, work_op = _compute_dtype(flat.dtype, op)
+        work = flat
+        if work_dtype != flat.dtype or device.type != "cpu":
+            work = flat.to(device="cpu", dtype=work_dtype)
+        work = _scale(work, head.prescale)
+        comm.allreduce(work, work_op)
+        work = _scale(work, postscale)
+        if work is not flat:
+            flat.copy_(work)
+        if len(inputs) > 1:
+            outputs = [
+                (e.output if e.output is not None else e.tensor).reshape(-1)
+                for e in entries
+                if e is not None and (e.output is not None or e.tensor is not None)
+            ]
+            pieces = [
+                p
+                for p, e in zip(flat.split([t.numel() for t in inputs]), entries)
+                if e is not None and (e.output is not None or e.tensor is not None)
+            ]
+            if outputs:
+                torch._foreach_copy_(outputs, pieces)
+        for entry in entries:
+            if entry is not None:
+                self._finish_entry(entry, entry.output if entry.output is not None else entry.tensor)
+
+    def _allgather(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
+        entry = self._take(response.names[0])
+        if entry is None or entry.tensor is None:
+            return
+        requests = response.requests[0]
+        tensor = entry.tensor
+        rows = [requests[r].shape[0] for r in members]
+        rest = tuple(tensor.shape[1:])
+        row_bytes = math.prod(rest) * tensor.element_size()
+        output = torch.empty((sum(rows), *rest), dtype=tensor.dtype)
+        source = _as_bytes(tensor.cpu())
+        chunks = list(_as_bytes(output).split([n * row_bytes for n in rows]))
+        if len(set(rows)) == 1:
+            comm.allgather(chunks, source)
+        else:
+            longest = max(rows) * row_bytes
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: source.numel()] = source
+            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in members]
+            comm.allgather(gathered, padded)
+            torch._foreach_copy_(chunks, [g[: c.numel()] for g, c in zip(gathered, chunks)])
+        self._finish_entry(entry, output.to(tensor.device))
+
+    def _broadcast(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
+        entry = self._take(response.names[0])
+        if entry is None or entry.tensor is None:
+            return
+        output = entry.output if entry.output is not None else entry.tensor
+        if output is not entry.tensor:
+            output.copy_(entry.tensor)
+        host = output if output.device.type == "cpu" else output.cpu()
+        comm.broadcast(_as_bytes(host), members.index(response.template().root_rank))
+        if host is not output:
+            output.copy_(host)
+        self._finish_entry(entry, output)
+
+    def _alltoall(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
+        entry = self._take(response.names[0])
+        if entry is None or entry.tensor is None:
+            return
+        requests = response.requests[0]
+        me = members.index(self.rank)
+        tensor = entry.tensor
+
+        def splits_of(rank: int) -> tuple[int, ...]:
+            req = requests[rank]
+            if req.splits is not None:
+                return req.splits
+            return tuple([req.shape[0] // len(members)] * len(members))
+
+        send = splits_of(self.rank)
+        receive = [splits_of(r)[me] for r in members]
+        rest = tuple(tensor.shape[1:])
+        row_bytes = math.prod(rest) * tensor.element_size()
+        output = torch.empty((sum(receive), *rest), dtype=tensor.dtype)
+        source = _as_bytes(tensor.cpu()[: sum(send)])
+        comm.alltoall(
+            _as_bytes(output),
+            source,
+            [n * row_bytes for n in receive],
+            [n * row_bytes for n in send],
+        )
+        received = torch.tensor(receive, dtype=torch.int32)
+        self._finish_entry(entry, (output.to(tensor.device), received))
+
+    def _reducescatter(
+        self, response: Response, comm: Communicator, members: tuple[int, ...]
+    ) -> None:
+        entry = self._take(response.names[0])
+        if entry is None or entry.tensor is None:
+            return
+        request = response.template()
+        tensor = entry.tensor
+        count = len(members)
+        first = tensor.shape[0]
+        rows = [first // count + (1 if i < first % count else 0) for i in range(count)]
+        me = members.index(self.rank)
+        rest = tuple(tensor.shape[1:])
+        op = ReduceOp.SUM if request.reduce_op == ReduceOp.AVERAGE else request.reduce_op
+        work_dtype, work_op = _compute_dtype(tensor.dtype, op)
+        work = tensor.to(device="cpu", dtype=work_dtype)
+        if work is tensor:
+            work = tensor.clone()
+        work = _scale(work, request.prescale)
+        row = math.prod(rest)
+        chunks = list(work.reshape(-1).split([n * row for n in rows]))
+        output = torch.empty(rows[me] * row, dtype=work_dtype)
+        comm.reducescatter(output, chunks, work_op)
+        postscale = request.postscale / (count if request.reduce_op == ReduceOp.AVERAGE else 1)
+        output = _scale(output, postscale)
+        result = output.reshape((rows[me], *rest)).to(device=tensor.device, dtype=tensor.dtype)
+        self._finish_entry(entry, result)
+
+    def _change_process_set(self, response: Response) -> None:
+        template = response.template()
+        set_id = int(template.name.split(".")[1])
+        ranks = template.ranks or ()
+        if response.kind == RequestType.ADD_PROCESS_SET:
+            self._register_process_set(set_id, ranks)
+        else:
+            self.process_sets.remove(set_id)
+            self._communicators.pop(set_id, None)
+        entry = self._take(template.name)
+        if entry is not None:
+            self._finish_entry(entry, set_id)
+
+    def _register_process_set(self, set_id: int, ranks: tuple[int, ...]) -> None:
+        self.process_sets.add(set_id, ranks)
+        if self.rank in ranks:
+            self._communicators[set_id] = self._connect(
+                f"ps{set_id}", set_id, ranks.index(self.rank), len(ranks)
+            )
+
+    # ----------------------------------------------------------------- endings
+
+    def _finish(self, message: str) -> None:
+        """Orderly stop: every pending and future call fails with ``message``."""
+        with self._wakeup:
+            self._running = False
+            pending = list(self._in_flight.values()) + list(self._queue)
+            self._in_flight.clear()
+            self._queue.clear()
+        for entry in pending:
+            entry.handle._fail(message)
+
+    def _fail(self, message: str) -> None:
+        self._failure = message
+        for comm in [self._control, *self._communicators.values()]:
+            comm.abort()
+        if self.rank == 0 or message:
+            logger.error("%s", message)
+        self._finish(message)
+
+    def _diagnose(self, error: str) -> str:
+        """Turn a transport error into a message that names the lost rank."""
+        for comm in [self._control, *self._communicators.values()]:
+            comm.abort()
+        store = self._store
+        others = [r for r in range(self.size) if r != self.rank]
+        try:
+            store.set_signed(f"g{self._generation}/alive/{self.rank}", b"")
+            try:
+                store.store.compare_set(
+                    store.key(FAILURE_KEY), "", f"rank {self.rank}: {error}".encode()
+                )
+            except RuntimeError:
+                pass
+            deadline = time.monotonic() + DIAGNOSE_WINDOW_S
+            silent = others
+            while True:
+                exits = [r for r in others if store.check(exit_key(r))]
+                if exits:
+                    details = "; ".join(
+                        store.get_signed(exit_key(r)).decode(errors="replace") for r in exits
+                    )
+                    return (
+                        f"hora lost {_ranks(exits)}: {details}. Rank {self.rank} cannot continue "
+                        f"the collective (transport error: {error})"
+                    )
+                silent = [r for r in others if not store.check(f"g{self._generation}/alive/{r}")]
+                if not silent or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except Exception as exc:  # noqa: BLE001 - the store itself may be gone
+            return (
+                f"rank {self.rank}: a collective failed ({error}) and the job's rendezvous store "
+                f"is unreachable ({exc}); the launcher or the host of rank 0 may have exited."
+            )
+        if silent:
+            return (
+                f"hora lost {_ranks(silent)}: {'it' if len(silent) == 1 else 'they'} stopped "
+                f"responding (the process exited, was killed, or its host is unreachable). "
+                f"Rank {self.rank} saw: {error}"
+            )
+        return f"rank {self.rank}: a collective failed while every rank is still alive: {error}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+_DTYPES = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bool": torch.bool,
+}
+assert set(_DTYPES) == FLOATING | INTEGER | {"bool"}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """hora's name for a torch dtype, or ``None`` when hora does not support it."""
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    return None
+
+
+class _Watcher(threading.Thread):
+    """Watches the store for a doorbell while the engine is parked, and for failures always.
+
+    Uses its own store connection: a blocking ``wait`` holds the connection it runs on.
+    """
+
+    def __init__(self, engine: Engine, store: StoreClient) -> None:
+        super().__init__(name="hora-watcher", daemon=True)
+        self._engine = engine
+        self._store = store
+        self._watching = 0
+        self._stop_flag = False
+        self._event = threading.Event()
+        self.failure: str | None = None
+
+    def watch(self, generation: int) -> None:
+        self._watching = generation
+        self._event.set()
+
+    def stop(self) -> None:
+        self._stop_flag = True
+        self._event.set()
+        try:
+            self._engine._store.set_signed(
+                f"g{self._engine._generation}/wake/{self._watching}", b""
+            )
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+    def run(self) -> None:
+        engine = self._engine
+        seen = 0
+        try:
+            while not self._stop_flag and engine.running:
+                target = self._watching
+                if target > seen:
+                    key = f"g{engine._generation}/wake/{target}"
+                    if self._store.wait(key, WATCH_INTERVAL_S):
+                        seen = target
+                        engine._wake(target)
+                        continue
+                else:
+                    self._event.wait(WATCH_INTERVAL_S)
+                    self._event.clear()
+                self._check_failure()
+        except Exception as exc:  # noqa: BLE001 - store gone: let the engine find out
+            if engine.running and not self._stop_flag:
+                self.failure = f"the job's rendezvous store became unreachable: {exc}"
+                self._abort()
+
+    def _check_failure(self) -> None:
+        if self.failure is None and self._store.check(FAILURE_KEY):
+            self.failure = "another rank or the launcher reported a failure"
+            self._abort()
+
+    def _abort(self) -> None:
+        engine = self._engine
+        for comm in [engine._control, *engine._communicators.values()]:
+            comm.abort()
+        engine._wake(engine._parked_generation)

@@ -1,0 +1,352 @@
+"""Negotiation: deciding, identically on every rank, which requests run now and in what order.
+
+Every cycle each rank contributes the requests it submitted since the last cycle (as full
+requests or as response-cache bits). All ranks receive every contribution and feed them, in rank
+order, into an identical :class:`MessageTable`. Because every rank runs the same deterministic
+procedure on the same input, all ranks derive the same ordered list of responses without a
+coordinator round trip; this is Horovod's coordinator protocol with the coordinator replicated.
+
+This module knows requests and responses, never tensors or transports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from hora.common.message import (
+    ELEMENTWISE,
+    VARIABLE_FIRST_DIM,
+    ReduceOp,
+    Request,
+    RequestType,
+    Response,
+)
+from hora.common.process_sets import ProcessSetTable
+
+JOIN_NAME = "join.noname"
+
+# Kinds whose agreed requests go into the response cache.
+CACHEABLE = frozenset(
+    {
+        RequestType.ALLREDUCE,
+        RequestType.ALLGATHER,
+        RequestType.BROADCAST,
+        RequestType.ALLTOALL,
+        RequestType.REDUCESCATTER,
+    }
+)
+
+
+class ResponseCache:
+    """Requests that already ran, so a repeat can travel as one bit instead of a full request.
+
+    Each entry holds, for one name, the request every rank made last time and a bit position.
+    All ranks update the cache from the same responses in the same order, so positions agree
+    everywhere. Eviction is least-recently-used.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[int, dict[int, Request]]] = OrderedDict()
+        self._by_bit: dict[int, str] = {}
+
+    def bit_for(self, request: Request, rank: int) -> int | None:
+        """The bit to send for ``request`` from ``rank``, if the cache holds an identical one."""
+        entry = self._entries.get(request.name)
+        if entry is None:
+            return None
+        bit, per_rank = entry
+        return bit if per_rank.get(rank) == request else None
+
+    def expand(self, bit: int, rank: int) -> Request:
+        """The request ``rank`` means by ``bit``.
+
+        Raises:
+            ValueError: the bit is not in use (ranks' caches disagree: an internal error).
+        """
+        name = self._by_bit.get(bit)
+        if name is None:
+            raise ValueError(f"rank {rank} sent response-cache bit {bit}, which is not in use")
+        return self._entries[name][1][rank]
+
+    def put(self, name: str, per_rank: dict[int, Request]) -> None:
+        if self.capacity <= 0:
+            return
+        entry = self._entries.get(name)
+        if entry is not None:
+            self._entries[name] = (entry[0], dict(per_rank))
+            self._entries.move_to_end(name)
+            return
+        if len(self._entries) < self.capacity:
+            bit = len(self._entries)
+        else:
+            old_name, (bit, _) = self._entries.popitem(last=False)
+            del self._by_bit[bit]
+        self._entries[name] = (bit, dict(per_rank))
+        self._by_bit[bit] = name
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
+class PendingName:
+    """What the table knows about one name: who asked, with what, and since when."""
+
+    requests: dict[int, Request] = field(default_factory=dict)
+    first_seen: float = field(default_factory=time.monotonic)
+
+
+class MessageTable:
+    """Requests that some but not yet all ranks have made, keyed by name, in arrival order."""
+
+    def __init__(self, process_sets: ProcessSetTable) -> None:
+        self.process_sets = process_sets
+        self.pending: dict[str, PendingName] = {}
+        self.joined: dict[int, None] = {}  # ordered set of global ranks that called join
+        self.last_joined_rank = -1
+
+    def add(self, rank: int, request: Request) -> None:
+        if request.kind == RequestType.JOIN:
+            self.joined[rank] = None
+            self.last_joined_rank = rank
+        entry = self.pending.get(request.name)
+        if entry is None:
+            entry = self.pending[request.name] = PendingName()
+        entry.requests[rank] = request
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def missing_ranks(self, name: str) -> list[int]:
+        """Members of the name's process set that have neither submitted it nor joined."""
+        entry = self.pending[name]
+        template = next(iter(entry.requests.values()))
+        members = self._members_or_empty(template.process_set_id)
+        return [r for r in members if r not in entry.requests and r not in self.joined]
+
+    def _members_or_empty(self, process_set_id: int) -> tuple[int, ...]:
+        if not self.process_sets.contains(process_set_id):
+            return ()
+        return self.process_sets.members(process_set_id)
+
+    def _decidable(self, name: str) -> bool:
+        entry = self.pending[name]
+        template = next(iter(entry.requests.values()))
+        if template.kind == RequestType.JOIN:
+            return False
+        if not self.process_sets.contains(template.process_set_id):
+            # Some rank used a set this rank does not know: fail it as soon as anyone asks.
+            return True
+        members = self.process_sets.members(template.process_set_id)
+        present = [r for r in members if r in entry.requests]
+        if any(r not in members for r in entry.requests):
+            return True
+        absent = [r for r in members if r not in entry.requests]
+        if not absent:
+            return True
+        # Ranks that joined stand in for allreduce with zeros; any other op fails on them.
+        return bool(present) and all(r in self.joined for r in absent)
+
+    def ready(self, cache: ResponseCache) -> list[Response]:
+        """Remove and return the responses every rank can run now, in a deterministic order."""
+        responses: list[Response] = []
+        decided: set[str] = set()
+        for name in list(self.pending):
+            if name in decided or not self._decidable(name):
+                continue
+            entry = self.pending[name]
+            template = next(iter(entry.requests.values()))
+            if template.group is not None:
+                members = self._group_members(template.group)
+                if members is None:
+                    continue
+                for member in members:
+                    responses.append(self._respond(member, self.pending[member].requests))
+                    decided.add(member)
+            else:
+                responses.append(self._respond(name, entry.requests))
+                decided.add(name)
+        for name in decided:
+            del self.pending[name]
+        for response in responses:
+            if response.error is None and response.kind in CACHEABLE and not response.joined_ranks:
+                cache.put(response.names[0], response.requests[0])
+        self._complete_join(responses)
+        return responses
+
+    def _group_members(self, group: tuple[str, int]) -> list[str] | None:
+        count = group[1]
+        names = [
+            name
+            for name, entry in self.pending.items()
+            if next(iter(entry.requests.values())).group == group
+        ]
+        if len(names) < count or not all(self._decidable(n) for n in names):
+            return None
+        return names
+
+    def _complete_join(self, responses: list[Response]) -> None:
+        if JOIN_NAME not in self.pending:
+            return
+        everyone = self.process_sets.members(0)
+        if all(r in self.joined for r in everyone):
+            requests = self.pending.pop(JOIN_NAME).requests
+            responses.append(
+                Response(
+                    kind=RequestType.JOIN,
+                    names=[JOIN_NAME],
+                    requests=[requests],
+                    last_joined_rank=self.last_joined_rank,
+                )
+            )
+            self.joined.clear()
+
+    def _respond(self, name: str, requests: dict[int, Request]) -> Response:
+        template = requests[min(requests)]
+        ps_id = template.process_set_id
+        error = validate(name, requests, self.process_sets, self.joined)
+        joined: frozenset[int] = frozenset()
+        if error is None and self.process_sets.contains(ps_id):
+            members = self.process_sets.members(ps_id)
+            joined = frozenset(r for r in members if r not in requests)
+        return Response(
+            kind=template.kind,
+            names=[name],
+            requests=[dict(sorted(requests.items()))],
+            process_set_id=ps_id,
+            error=error,
+            joined_ranks=joined,
+        )
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    spans: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{word} {', '.join(spans)}"
+
+
+def _mismatch(name: str, what: str, requests: dict[int, Request], hint: str) -> str:
+    template = requests[min(requests)]
+    by_text: dict[str, list[int]] = {}
+    for rank in sorted(requests):
+        by_text.setdefault(requests[rank].describe(), []).append(rank)
+    lines = [
+        f"Mismatched {what} for {name!r} (process set {template.process_set_id}): "
+        "ranks submitted different requests under one name."
+    ]
+    lines += [f"  {_rank_list(ranks)}: {text}" for text, ranks in by_text.items()]
+    lines.append(hint)
+    return "\n".join(lines)
+
+
+def validate(
+    name: str,
+    requests: dict[int, Request],
+    process_sets: ProcessSetTable,
+    joined: dict[int, None],
+) -> str | None:
+    """The error text when ranks disagree about ``name``; ``None`` when they agree.
+
+    The checks follow Horovod's order: operation, data type, device, shape, reduction, scale
+    factors, root rank; then what is invalid even when all ranks agree.
+    """
+    template = requests[min(requests)]
+    ps_id = template.process_set_id
+    if not process_sets.contains(ps_id):
+        return (
+            f"{template.kind.label} {name!r} uses process set {ps_id}, which is not registered on "
+            "every rank. Register process sets with hvd.init(process_sets=...) or "
+            "hvd.add_process_set(...) on all ranks, in the same order."
+        )
+    members = process_sets.members(ps_id)
+    outsiders = sorted(r for r in requests if r not in members)
+    if outsiders:
+        return (
+            f"{template.kind.label} {name!r}: {_rank_list(outsiders)} submitted it to process "
+            f"set {ps_id} (ranks {list(members)}) without being a member."
+        )
+    reqs = list(requests.values())
+    same = "Every rank must submit the same operation, dtype and shape under one name"
+    if len({r.kind for r in reqs}) > 1:
+        return _mismatch(name, "operations", requests, same + ".")
+    if len({r.dtype for r in reqs}) > 1:
+        return _mismatch(name, "data types", requests, same + ".")
+    if len({r.device for r in reqs}) > 1:
+        return _mismatch(
+            name, "CPU/GPU device selection", requests, "Every rank must use the same device type."
+        )
+    kind = template.kind
+    if kind in VARIABLE_FIRST_DIM:
+        if any(len(r.shape) == 0 for r in reqs):
+            return (
+                f"{kind.label} {name!r}: a rank submitted a rank-zero (scalar) tensor; "
+                f"{kind.label} needs at least one dimension."
+            )
+        if len({len(r.shape) for r in reqs}) > 1 or len({r.shape[1:] for r in reqs}) > 1:
+            return _mismatch(
+                name,
+                f"{kind.label} tensor shapes",
+                requests,
+                same + f" ({kind.label} allows the first dimension to differ).",
+            )
+    elif len({r.shape for r in reqs}) > 1:
+        return _mismatch(name, f"{kind.label} tensor shapes", requests, same + ".")
+    if kind in ELEMENTWISE:
+        if len({r.reduce_op for r in reqs}) > 1:
+            return _mismatch(
+                name, "reduction operations", requests, "Every rank must use the same op."
+            )
+        if len({(r.prescale, r.postscale) for r in reqs}) > 1:
+            return _mismatch(
+                name,
+                "prescale and/or postscale factors",
+                requests,
+                "Every rank must pass the same prescale_factor and postscale_factor.",
+            )
+    if kind == RequestType.BROADCAST:
+        if len({r.root_rank for r in reqs}) > 1:
+            return _mismatch(
+                name, "broadcast root ranks", requests, "Every rank must name the same root_rank."
+            )
+        if template.root_rank not in members:
+            return (
+                f"broadcast {name!r}: root rank {template.root_rank} is not a member of process "
+                f"set {ps_id} (ranks {list(members)}). root_rank is a global rank."
+            )
+    if kind == RequestType.ALLTOALL:
+        for rank, req in requests.items():
+            if req.splits is not None and len(req.splits) != len(members):
+                return (
+                    f"alltoall {name!r}: rank {rank} passed {len(req.splits)} splits but the "
+                    f"process set has {len(members)} members; pass one entry per member."
+                )
+    if len({r.group for r in reqs}) > 1:
+        return _mismatch(
+            name,
+            "grouping",
+            requests,
+            "Every rank must submit this tensor in the same grouped call.",
+        )
+    absent_joined = [r for r in members if r not in requests and r in joined]
+    if absent_joined and kind != RequestType.ALLREDUCE:
+        return (
+            f"{kind.label} {name!r} cannot run while {_rank_list(absent_joined)} "
+            "joined: only allreduce is supported with join. Specify sparse_as_dense=True if "
+            "using DistributedOptimizer."
+        )
+    if kind == RequestType.ALLREDUCE and template.reduce_op == ReduceOp.ADASUM:
+        return "Adasum is not supported by hora's Gloo transport; use op=hvd.Average."
+    return None
+

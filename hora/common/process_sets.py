@@ -1,0 +1,142 @@
+"""Process sets: named subsets of ranks that run collectives among themselves.
+
+This module owns the :class:`ProcessSet` object users hold and the table that maps ids to member
+ranks. It does not create communicators; the engine asks the transport for one per set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class ProcessSet:
+    """A subset of the job's ranks, usable as ``process_set=`` on every collective.
+
+    Args:
+        ranks: the global ranks of the members (any order; duplicates are an error).
+
+    Example:
+        >>> evens = hvd.ProcessSet([0, 2])
+        >>> hvd.init(process_sets=[evens])
+        >>> if evens.included():
+        ...     hvd.allreduce(x, process_set=evens)
+    """
+
+    def __init__(self, ranks: Iterable[int] | Any) -> None:
+        self.mpi_comm: Any = None
+        if hasattr(ranks, "Get_rank") and hasattr(ranks, "Get_group"):
+            # An mpi4py communicator: its members are the global ranks it contains.
+            self.mpi_comm = ranks
+            ranks = _mpi_comm_ranks(ranks)
+        members = [int(r) for r in ranks]
+        if len(set(members)) != len(members):
+            raise ValueError(f"ProcessSet ranks must be distinct, got {members}.")
+        if any(r < 0 for r in members):
+            raise ValueError(f"ProcessSet ranks must be >= 0, got {members}.")
+        self.ranks: list[int] = sorted(members)
+        self.process_set_id: int | None = None
+        self._my_rank: int | None = None
+
+    def _bind(self, process_set_id: int, my_global_rank: int) -> None:
+        self.process_set_id = process_set_id
+        self._my_rank = my_global_rank
+
+    def _unbind(self) -> None:
+        self.process_set_id = None
+
+    def _require_registered(self) -> None:
+        if self.process_set_id is None:
+            raise ValueError(
+                f"{self} is not registered: pass it to hvd.init(process_sets=[...]) or "
+                "hvd.add_process_set(...) first."
+            )
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        self._require_registered()
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        """This process's rank within the set (-1 when it is not a member)."""
+        self._require_registered()
+        assert self._my_rank is not None
+        return self.ranks.index(self._my_rank) if self._my_rank in self.ranks else -1
+
+    def included(self) -> bool:
+        """Whether this process is a member."""
+        self._require_registered()
+        return self._my_rank in self.ranks
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+            f"mpi_comm={self.mpi_comm})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ProcessSet):
+            return NotImplemented
+        return self.ranks == other.ranks and self.process_set_id == other.process_set_id
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.ranks), self.process_set_id))
+
+
+def _mpi_comm_ranks(comm: Any) -> list[int]:
+    from mpi4py import MPI
+
+    world_group = MPI.COMM_WORLD.Get_group()
+    group = comm.Get_group()
+    return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)]
+
+
+class ProcessSetTable:
+    """Registered process sets of this job: id -> sorted global member ranks.
+
+    Id 0 is the global set. Every rank holds an identical table because sets are only added or
+    removed through negotiated, identically ordered operations.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self._members: dict[int, tuple[int, ...]] = {0: tuple(range(world_size))}
+        self._next_id = 1
+
+    def members(self, process_set_id: int) -> tuple[int, ...]:
+        """Member ranks of a set.
+
+        Raises:
+            ValueError: no set has this id.
+        """
+        try:
+            return self._members[process_set_id]
+        except KeyError:
+            raise ValueError(
+                f"process set {process_set_id} is not registered on this rank (known ids: "
+                f"{sorted(self._members)})."
+            ) from None
+
+    def contains(self, process_set_id: int) -> bool:
+        return process_set_id in self._members
+
+    def find(self, ranks: tuple[int, ...]) -> int | None:
+        """Id of a registered set with exactly these members, if any."""
+        for set_id, members in self._members.items():
+            if members == ranks:
+                return set_id
+        return None
+
+    def reserve_id(self) -> int:
+        set_id = self._next_id
+        self._next_id += 1
+        return set_id
+
+    def add(self, process_set_id: int, ranks: tuple[int, ...]) -> None:
+        self._members[process_set_id] = ranks
+        self._next_id = max(self._next_id, process_set_id + 1)
+
+    def remove(self, process_set_id: int) -> None:
+        self._members.pop(process_set_id, None)
+
+    def ids(self) -> list[int]:
+        return sorted(self._members)

@@ -1,0 +1,98 @@
+"""The stall inspector: notices when some ranks wait for others that never submit a tensor.
+
+It reads the negotiation table (which every rank holds in full) and, on global rank 0, logs which
+ranks are missing which tensors. Past the shutdown limit it returns a reason to stop the job.
+It knows the table's contents, never tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hora.common.negotiation import MessageTable
+
+logger = logging.getLogger("hora")
+
+MAX_NAMES_PER_RANK = 6
+
+
+class StallInspector:
+    """Checks the table at most once per warning period.
+
+    Args:
+        warning_time_s: how long a tensor may wait before a warning.
+        shutdown_time_s: how long before the job is stopped (0: never).
+        enabled: whether to check at all.
+    """
+
+    def __init__(self, warning_time_s: float, shutdown_time_s: float, enabled: bool) -> None:
+        self.warning_time_s = warning_time_s
+        self.shutdown_time_s = shutdown_time_s
+        self.enabled = enabled
+        self._last_check = time.monotonic()
+        if enabled and 0 < shutdown_time_s < warning_time_s:
+            logger.warning(
+                "HORA_STALL_SHUTDOWN_TIME_SECONDS (%g) is shorter than "
+                "HORA_STALL_CHECK_TIME_SECONDS (%g); stalled jobs will not be shut down.",
+                shutdown_time_s,
+                warning_time_s,
+            )
+            self.shutdown_time_s = 0.0
+
+    def due(self) -> bool:
+        return self.enabled and time.monotonic() - self._last_check >= min(
+            self.warning_time_s, 5.0
+        )
+
+    def check(self, table: MessageTable) -> str | None:
+        """Log a warning for stalled tensors; return a shutdown reason when past the limit."""
+        now = time.monotonic()
+        self._last_check = now
+        missing: dict[int, list[str]] = {}
+        stalled_too_long: set[int] = set()
+        longest = 0.0
+        for name, entry in table.pending.items():
+            waited = now - entry.first_seen
+            if waited < self.warning_time_s:
+                continue
+            for rank in table.missing_ranks(name):
+                missing.setdefault(rank, []).append(name)
+                if self.shutdown_time_s > 0 and waited >= self.shutdown_time_s:
+                    stalled_too_long.add(rank)
+            longest = max(longest, waited)
+        if not missing:
+            return None
+        text = self.report(missing, stalled_too_long, longest)
+        if stalled_too_long:
+            logger.error(text)
+            return text
+        logger.warning(text)
+        return None
+
+    def report(self, missing: dict[int, list[str]], marked: set[int], longest: float) -> str:
+        lines = [
+            "One or more tensors were submitted to be reduced, gathered or broadcasted by "
+            f"subset of ranks and are waiting for remainder of ranks for more than "
+            f"{int(self.warning_time_s)} seconds. This may indicate that different ranks are "
+            "trying to submit different tensors or that only subset of ranks is submitting "
+            "tensors, which will cause deadlock.",
+            "Missing ranks:",
+        ]
+        for rank in sorted(missing):
+            names = missing[rank]
+            shown = ", ".join(names[:MAX_NAMES_PER_RANK])
+            more = " ..." if len(names) > MAX_NAMES_PER_RANK else ""
+            mark = "!" if rank in marked else ""
+            lines.append(f"{rank}{mark}: [{shown}{more}]")
+        if marked:
+            lines.append(
+                'One or more rank (marked by "!") is stalled for longer than '
+                f"{int(self.shutdown_time_s)} seconds. Will shutdown."
+            )
+        else:
+            lines.append(
+                f"(longest wait {longest:.0f} s) Check that every rank submits the same tensor "
+                "names: a rank that skips a step, or names tensors differently, stalls the job."
+            )
+        return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""The transport interface: collectives on flat, contiguous buffers among the members of one set.
+
+The engine talks only to :class:`Communicator`. Implementations wrap a real library
+(``torch.distributed`` process groups today); hora never writes its own network transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from hora.common.message import ReduceOp
+
+
+class TransportError(RuntimeError):
+    """A collective failed: a peer closed its connection, timed out, or the group was aborted."""
+
+
+class Communicator(Protocol):
+    """Collectives among the members of one process set.
+
+    ``rank`` and ``size`` are within the set. Every method blocks until the operation is done
+    and raises :class:`TransportError` on failure. Buffers are torch tensors on the CPU.
+    """
+
+    rank: int
+    size: int
+
+    def allreduce(self, buffer: Any, op: ReduceOp) -> None:
+        """Reduce ``buffer`` element-wise across members, in place (Sum, Min, Max or Product)."""
+
+    def allgather(self, outputs: Sequence[Any], buffer: Any) -> None:
+        """Gather every member's ``buffer`` (all the same size) into ``outputs[member]``."""
+
+    def broadcast(self, buffer: Any, root: int) -> None:
+        """Copy member ``root``'s buffer into every member's ``buffer``."""
+
+    def alltoall(
+        self, output: Any, buffer: Any, output_splits: Sequence[int], input_splits: Sequence[int]
+    ) -> None:
+        """Send ``input_splits[j]`` rows to member j; receive ``output_splits[j]`` rows from it."""
+
+    def reducescatter(self, output: Any, chunks: Sequence[Any], op: ReduceOp) -> None:
+        """Reduce ``chunks[j]`` across members into member j's ``output``."""
+
+    def barrier(self) -> None:
+        """Return when every member has called it."""
+
+    def abort(self) -> None:
+        """Fail every operation in flight, now, so blocked callers return."""

@@ -1,0 +1,117 @@
+"""Collectives over ``torch.distributed``'s Gloo process groups.
+
+Each :class:`GlooCommunicator` owns one ``ProcessGroupGloo`` built directly on a store, so hora
+never touches the default process group that users (and PyTorch DDP) may be using themselves.
+This module knows about process groups and buffers, never about requests or names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.common.message import ReduceOp
+from hora.common.transport import TransportError
+
+_REDUCE_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+def gloo_available() -> bool:
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+def make_device(bind_address: str, interface: str) -> Any:
+    """The Gloo network device: a named interface, an address, or Gloo's default."""
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    if bind_address:
+        return dist.ProcessGroupGloo.create_device(hostname=bind_address)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+class GlooCommunicator:
+    """A Gloo process group among ``size`` members, this process being member ``rank``.
+
+    Args:
+        store: a ``torch.distributed.Store`` private to this group (a ``PrefixStore``).
+        rank: this process's rank within the group.
+        size: number of members.
+        timeout_s: how long any one operation may wait for its peers.
+        device: the Gloo device from :func:`make_device`.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout_s: float, device: Any) -> None:
+        self.rank = rank
+        self.size = size
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [device]
+        try:
+            self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+        except RuntimeError as exc:
+            raise TransportError(f"could not connect the Gloo group: {exc}") from exc
+        self._aborted = False
+
+    def _run(self, work_fn: Any) -> None:
+        if self._aborted:
+            raise TransportError("the communicator was aborted")
+        try:
+            work_fn().wait()
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
+
+    def allreduce(self, buffer: torch.Tensor, op: ReduceOp) -> None:
+        options = dist.AllreduceOptions()
+        options.reduceOp = _REDUCE_OPS[op]
+        self._run(lambda: self._pg.allreduce([buffer], options))
+
+    def allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+        self._run(lambda: self._pg.allgather([list(outputs)], [buffer]))
+
+    def broadcast(self, buffer: torch.Tensor, root: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        self._run(lambda: self._pg.broadcast([buffer], options))
+
+    def alltoall(
+        self,
+        output: torch.Tensor,
+        buffer: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+    ) -> None:
+        options = dist.AllToAllOptions()
+        self._run(
+            lambda: self._pg.alltoall_base(
+                output, buffer, list(output_splits), list(input_splits), options
+            )
+        )
+
+    def reducescatter(
+        self, output: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
+    ) -> None:
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = _REDUCE_OPS[op]
+        self._run(lambda: self._pg.reduce_scatter([output], [list(chunks)], options))
+
+    def barrier(self) -> None:
+        self._run(lambda: self._pg.barrier())
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        try:
+            self._pg.abort()
+        except RuntimeError:
+            pass

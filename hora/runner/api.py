@@ -1,0 +1,123 @@
+"""``hora.run``: run a Python function on N local worker processes and collect the results.
+
+The function and its arguments travel to the workers through the job's store, signed with the
+job secret; results come back the same way. Workers are supervised like ``horarun``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import cloudpickle
+
+from hora.runner.hosts import assign_slots, parse_hosts
+from hora.runner.launch import worker_env
+from hora.runner.supervisor import OutputForwarder, Supervisor
+
+FUNCTION_KEY = "run/function"
+
+
+def result_key(rank: int) -> str:
+    return f"run/result/{rank}"
+
+
+class HoraRunError(RuntimeError):
+    """One or more workers of :func:`run` failed.
+
+    Attributes:
+        results: the results of the ranks that returned, by rank.
+        errors: the error text of the ranks that raised or died, by rank.
+    """
+
+    def __init__(self, message: str, results: dict[int, Any], errors: dict[int, str]) -> None:
+        super().__init__(message)
+        self.results = results
+        self.errors = errors
+
+
+def run(
+    fn: Any,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    np: int = 1,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    prefix_output: bool = True,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` processes on this machine.
+
+    Each worker is a fresh Python process with the topology variables set, so ``fn`` calls
+    ``hvd.init()`` itself, as a training script would.
+
+    Args:
+        fn: a function (closures and lambdas work: it is sent with cloudpickle).
+        args: positional arguments for ``fn``.
+        kwargs: keyword arguments for ``fn``.
+        np: number of worker processes.
+        env: extra environment variables for the workers.
+        timeout_s: stop the workers and raise ``TimeoutError`` after this long.
+        prefix_output: prefix forwarded output lines with ``[rank]<stream>:``.
+
+    Returns:
+        The value ``fn`` returned on each rank, in rank order.
+
+    Raises:
+        HoraRunError: a worker raised or exited abnormally; the message names the rank.
+
+    Example:
+        >>> def work():
+        ...     import hora.torch as hvd
+        ...     hvd.init()
+        ...     return hvd.rank()
+        >>> hora.run(work, np=2)
+        [0, 1]
+    """
+    from hora.common.rendezvous import verify
+    from hora.runner.rendezvous import RendezvousServer
+
+    slots = assign_slots(parse_hosts(f"localhost:{np}"), np)
+    server = RendezvousServer("127.0.0.1")
+    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    server.client.set_signed(FUNCTION_KEY, payload)
+    supervisor = Supervisor(on_exit=server.record_exit,
+                            forwarder=OutputForwarder(prefix=prefix_output))
+    base = dict(os.environ)
+    base.update(env or {})
+    command = [sys.executable, "-m", "hora.runner.task"]
+    try:
+        for slot in slots:
+            supervisor.spawn(slot, command, worker_env(base, {**server.env(), **slot.env()}))
+        codes = supervisor.wait(timeout_s)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for rank in range(np):
+            key = result_key(rank)
+            if server.client.check(key):
+                status, value = cloudpickle.loads(
+                    verify(server.secret, bytes(server.client.store.get(server.client.key(key))))
+                )
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+            elif codes.get(rank, 0) != 0:
+                errors[rank] = _exit_text(supervisor, rank, codes[rank])
+            else:
+                errors[rank] = f"rank {rank} exited without returning a result"
+        if errors:
+            summary = "\n".join(f"rank {r}: {text}" for r, text in sorted(errors.items()))
+            raise HoraRunError(f"hora.run: {len(errors)} of {np} ranks failed.\n{summary}",
+                               results, errors)
+        return [results[r] for r in range(np)]
+    finally:
+        server.close()
+
+
+def _exit_text(supervisor: Supervisor, rank: int, code: int) -> str:
+    from hora.runner.supervisor import describe_exit
+
+    worker = supervisor.workers[rank]
+    tail = "\n".join(f"    {line}" for line in worker.stderr_tail)
+    return f"the process {describe_exit(code)}" + (f"; last stderr lines:\n{tail}" if tail else "")

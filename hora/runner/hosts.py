@@ -1,0 +1,129 @@
+"""Hosts and slots: parsing ``-H host:slots,...`` and assigning ranks to slots.
+
+This module knows host names and counts; it does not start processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+class HostError(ValueError):
+    """A host list or hostfile that hora cannot use."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank runs and its place in the topology."""
+
+    hostname: str
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    size: int
+
+    def env(self) -> dict[str, str]:
+        """The topology variables a worker reads, under hora's and Horovod's names."""
+        values = {
+            "RANK": self.rank,
+            "SIZE": self.size,
+            "LOCAL_RANK": self.local_rank,
+            "LOCAL_SIZE": self.local_size,
+            "CROSS_RANK": self.cross_rank,
+            "CROSS_SIZE": self.cross_size,
+            "HOSTNAME": self.hostname,
+        }
+        env: dict[str, str] = {}
+        for key, value in values.items():
+            env[f"HORA_{key}"] = str(value)
+            env[f"HOROVOD_{key}"] = str(value)
+        return env
+
+
+def parse_hosts(text: str) -> list[Host]:
+    """Parse ``"a:4,b:4"`` (a bare name means one slot).
+
+    Raises:
+        HostError: an entry is empty or its slot count is not a positive integer.
+    """
+    hosts: list[Host] = []
+    seen: set[str] = set()
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            raise HostError(f"empty entry in host list {text!r}; use host:slots,host:slots.")
+        name, sep, count = item.rpartition(":")
+        if not sep:
+            name, count = item, "1"
+        if not name:
+            raise HostError(f"host list entry {item!r} has no host name.")
+        try:
+            slots = int(count)
+        except ValueError:
+            raise HostError(
+                f"host list entry {item!r}: slots must be an integer (host:slots)."
+            ) from None
+        if slots < 1:
+            raise HostError(f"host list entry {item!r}: slots must be >= 1.")
+        if name in seen:
+            raise HostError(f"host {name!r} appears twice in {text!r}.")
+        seen.add(name)
+        hosts.append(Host(name, slots))
+    return hosts
+
+
+def assign_slots(hosts: list[Host], np: int) -> list[Slot]:
+    """Fill hosts in order, as Horovod does: ranks 0.. go to the first host's slots first.
+
+    Raises:
+        HostError: the hosts have fewer slots than ``np``.
+    """
+    total = sum(h.slots for h in hosts)
+    if np < 1:
+        raise HostError(f"-np must be >= 1, got {np}.")
+    if np > total:
+        listing = ", ".join(f"{h.name}:{h.slots}" for h in hosts)
+        raise HostError(
+            f"-np {np} needs {np} slots but the hosts provide {total} ({listing}). "
+            "Lower -np or add slots with -H host:slots."
+        )
+    placed: list[tuple[str, int]] = []  # (hostname, local_rank) per rank
+    per_host: dict[str, int] = {}
+    for host in hosts:
+        for local in range(host.slots):
+            if len(placed) == np:
+                break
+            placed.append((host.name, local))
+            per_host[host.name] = local + 1
+    slots: list[Slot] = []
+    for rank, (name, local) in enumerate(placed):
+        peers = [h for h, lr in placed if lr == local]
+        hosts_with_local = list(dict.fromkeys(peers))
+        slots.append(
+            Slot(
+                hostname=name,
+                rank=rank,
+                local_rank=local,
+                local_size=per_host[name],
+                cross_rank=hosts_with_local.index(name),
+                cross_size=len(hosts_with_local),
+                size=np,
+            )
+        )
+    return slots
+
+
+def is_local(name: str) -> bool:
+    import socket
+
+    return name in LOCAL_NAMES or name == socket.gethostname()

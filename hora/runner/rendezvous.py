@@ -1,0 +1,77 @@
+"""The job's rendezvous store, run by the launcher.
+
+A ``torch.distributed.TCPStore`` serves the job. The launcher creates the listening socket
+itself, bound only to the address the workers use (loopback for a job on this machine), and
+hands it to the store. Workers find it through ``HORA_RENDEZVOUS_ADDR``/``PORT`` and protect
+their keys with the job secret (see :mod:`hora.common.rendezvous`).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+from hora.common.rendezvous import FAILURE_KEY, StoreClient, exit_key, new_secret
+
+
+class RendezvousServer:
+    """Start the store on ``bind_address`` (port chosen by the OS unless given).
+
+    Args:
+        bind_address: the interface address workers connect to.
+        port: 0 for any free port.
+        secret: the job secret; a fresh one when omitted.
+        timeout_s: how long store operations may block.
+    """
+
+    def __init__(
+        self,
+        bind_address: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.secret = secret or new_secret()
+        family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((bind_address, port))
+        self._socket.listen(1024)
+        self.address = bind_address
+        self.port = int(self._socket.getsockname()[1])
+        self._store: Any = dist.TCPStore(
+            bind_address,
+            self.port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=self._socket.fileno(),
+        )
+        # The store now owns the listening socket's file descriptor.
+        self._socket.detach()
+        self.client = StoreClient(bind_address, self.port, self.secret, timeout_s)
+
+    def env(self) -> dict[str, str]:
+        """Variables that tell workers where the store is and what the secret is."""
+        return {
+            "HORA_RENDEZVOUS_ADDR": self.address,
+            "HORA_RENDEZVOUS_PORT": str(self.port),
+            "HORA_SECRET_KEY": self.secret,
+        }
+
+    def record_exit(self, rank: int, text: str) -> None:
+        """Tell the surviving workers how a rank's process ended."""
+        self.client.set_signed(exit_key(rank), text.encode())
+        try:
+            self.client.store.compare_set(self.client.key(FAILURE_KEY), "", text.encode())
+        except RuntimeError:
+            pass
+
+    def close(self) -> None:
+        """Stop serving (the store closes its socket)."""
+        self.client = None  # type: ignore[assignment]
+        self._store = None

@@ -1,0 +1,45 @@
+"""Worker side of ``hora.run``: fetch the function from the store, run it, post the result."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import cloudpickle
+
+
+def main() -> int:
+    from hora.common.rendezvous import StoreClient, sign
+    from hora.common.topology import detect
+    from hora.runner.api import FUNCTION_KEY, result_key
+
+    topology = detect()
+    store = StoreClient(topology.rendezvous_addr, topology.rendezvous_port, topology.secret,
+                        float(os.environ.get("HORA_START_TIMEOUT", "60")))
+    fn, args, kwargs = cloudpickle.loads(store.get_signed(FUNCTION_KEY))
+    try:
+        outcome = ("ok", fn(*args, **kwargs))
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller with the traceback
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        print(text, file=sys.stderr, end="")
+        outcome = ("error", f"{type(exc).__name__}: {exc}\n{text}")
+        code = 1
+    try:
+        blob = cloudpickle.dumps(outcome)
+    except Exception as exc:  # noqa: BLE001
+        blob = cloudpickle.dumps(("error", f"the result could not be pickled: {exc}"))
+        code = 1
+    store.set_signed(result_key(topology.rank), blob)
+    try:
+        import hora.common.basics as basics
+
+        basics.shutdown()
+    except Exception:  # noqa: BLE001 - the result is already posted
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""hora's PyTorch API: ``import hora.torch as hvd`` in place of ``import horovod.torch as hvd``.
+
+Example:
+    >>> import hora.torch as hvd
+    >>> hvd.init()
+    >>> x = hvd.allreduce(torch.ones(3) * hvd.rank(), op=hvd.Sum)
+"""
+
+from hora.common.basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    size,
+)
+from hora.common.basics import init as _init
+from hora.common.basics import register_process_set as add_process_set
+from hora.common.basics import shutdown as _shutdown
+from hora.common.basics import unregister_process_set as remove_process_set
+from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.common.process_sets import ProcessSet
+from hora.torch.compression import Compression
+from hora.torch.functions import allgather_object, broadcast_object
+from hora.torch.ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    global_process_set,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+    synchronize,
+)
+from hora.torch.ops import _clear_handles
+
+
+def init(comm=None, process_sets=None):  # noqa: ANN001, ANN201 - Horovod's signature
+    """Start hora in this process. See :func:`hora.common.basics.init`."""
+    _clear_handles()
+    _init(comm=comm, process_sets=process_sets)
+
+
+def shutdown():  # noqa: ANN201
+    """Stop hora in this process; pending operations fail. ``init`` may be called again."""
+    _shutdown()
+    _clear_handles()
+
+
+init.__doc__ = _init.__doc__
+
+__all__ = [
+    "Adasum", "Average", "Compression", "HoraInternalError", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
+    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "synchronize",
+]
