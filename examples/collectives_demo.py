@@ -30,10 +30,14 @@ def main() -> None:
     say("alltoall", received.tolist())
     say("reducescatter (sum)", hvd.reducescatter(torch.ones(size * 2), op=hvd.Sum).tolist())
 
-    handles = [hvd.allreduce_async(torch.tensor([float(i)]), name=f"g{i}", op=hvd.Sum)
-               for i in range(5)]
+    handles = [
+        hvd.allreduce_async(torch.tensor([float(i)]), name=f"g{i}", op=hvd.Sum) for i in range(5)
+    ]
     say("5 async allreduces (fused)", [hvd.synchronize(h).item() for h in handles])
-    say("bfloat16 allreduce", hvd.allreduce(torch.ones(2, dtype=torch.bfloat16), op=hvd.Sum).tolist())
+    say(
+        "bfloat16 allreduce",
+        hvd.allreduce(torch.ones(2, dtype=torch.bfloat16), op=hvd.Sum).tolist(),
+    )
     say("bool allreduce (or)", hvd.allreduce(torch.tensor([rank == 0, False]), op=hvd.Sum).tolist())
     config = hvd.broadcast_object({"lr": 0.1, "from": rank}, root_rank=0)
     say("broadcast_object", config)

@@ -13,8 +13,13 @@ from hora.common.errors import HoraInternalError, HorovodInternalError
 __version__ = "0.1.0"
 
 
-def run(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-        np: int = 1, **options: Any) -> list[Any]:
+def run(
+    fn: Any,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    np: int = 1,
+    **options: Any,
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` worker processes and return each rank's result.
 
     See :func:`hora.runner.api.run` for the options.

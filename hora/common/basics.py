@@ -253,7 +253,10 @@ def unregister_process_set(process_set: ProcessSet) -> bool:
         )
     if process_set.process_set_id == 0:
         raise ValueError("The global process set cannot be removed.")
-    if process_set.process_set_id is None or current.process_sets.find(tuple(process_set.ranks)) is None:
+    if (
+        process_set.process_set_id is None
+        or current.process_sets.find(tuple(process_set.ranks)) is None
+    ):
         return False
     current.register_process_set(tuple(process_set.ranks), remove=True).wait()
     _state.process_sets.pop(process_set.process_set_id, None)

@@ -40,7 +40,9 @@ def _float(name: str, default: float, env: Mapping[str, str] | None) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise SettingError(f"HORA_{name} (or HOROVOD_{name}) must be a number, got {raw!r}.") from None
+        raise SettingError(
+            f"HORA_{name} (or HOROVOD_{name}) must be a number, got {raw!r}."
+        ) from None
 
 
 def _int(name: str, default: int, env: Mapping[str, str] | None) -> int:
@@ -50,7 +52,9 @@ def _int(name: str, default: int, env: Mapping[str, str] | None) -> int:
     try:
         return int(float(raw))
     except ValueError:
-        raise SettingError(f"HORA_{name} (or HOROVOD_{name}) must be an integer, got {raw!r}.") from None
+        raise SettingError(
+            f"HORA_{name} (or HOROVOD_{name}) must be an integer, got {raw!r}."
+        ) from None
 
 
 def _bool(name: str, default: bool, env: Mapping[str, str] | None) -> bool:
@@ -65,7 +69,9 @@ def _bool(name: str, default: bool, env: Mapping[str, str] | None) -> bool:
     try:
         return int(float(lowered)) > 0
     except ValueError:
-        raise SettingError(f"HORA_{name} (or HOROVOD_{name}) must be 0 or 1, got {raw!r}.") from None
+        raise SettingError(
+            f"HORA_{name} (or HOROVOD_{name}) must be 0 or 1, got {raw!r}."
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ WATCH_INTERVAL_S = 0.5
 # How long a survivor waits for the launcher's (or other survivors') account of a failure.
 DIAGNOSE_WINDOW_S = 2.0
 
+
 class Handle:
     """The pending result of one collective call (several tensors for a grouped call)."""
 
@@ -127,6 +128,13 @@ def _scale(buffer: torch.Tensor, factor: float) -> torch.Tensor:
     return buffer.mul_(factor)
 
 
+def _destination(entry: Entry | None) -> torch.Tensor | None:
+    """Where an allreduce result goes: the output tensor, or the input for in-place calls."""
+    if entry is None:
+        return None
+    return entry.output if entry.output is not None else entry.tensor
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
@@ -177,7 +185,9 @@ class Engine:
         self._parked_generation = 0
         self._woken_generation = 0
         self._idle_cycles = 0
-        self._park_after = max(2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(settings.cycle_time_ms, 0.1)))
+        self._park_after = max(
+            2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(settings.cycle_time_ms, 0.1))
+        )
         self._last_cycle_start = 0.0
         self._thread: threading.Thread | None = None
         self._watcher: _Watcher | None = None
@@ -242,9 +252,7 @@ class Engine:
         """
         with self._wakeup:
             if not self._running or self._shutdown_reason is not None:
-                raise HoraInternalError(
-                    self._failure or shut_down_message(self._shutdown_reason)
-                )
+                raise HoraInternalError(self._failure or shut_down_message(self._shutdown_reason))
             names = [e.request.name for e in entries]
             for name in names:
                 if name in self._in_flight:
@@ -505,21 +513,16 @@ class Engine:
         if work is not flat:
             flat.copy_(work)
         if len(inputs) > 1:
-            outputs = [
-                (e.output if e.output is not None else e.tensor).reshape(-1)
-                for e in entries
-                if e is not None and (e.output is not None or e.tensor is not None)
+            pairs = [
+                (_destination(e), piece)
+                for e, piece in zip(entries, flat.split([t.numel() for t in inputs]))
             ]
-            pieces = [
-                p
-                for p, e in zip(flat.split([t.numel() for t in inputs]), entries)
-                if e is not None and (e.output is not None or e.tensor is not None)
-            ]
+            outputs = [dest.reshape(-1) for dest, _ in pairs if dest is not None]
             if outputs:
-                torch._foreach_copy_(outputs, pieces)
+                torch._foreach_copy_(outputs, [p for dest, p in pairs if dest is not None])
         for entry in entries:
             if entry is not None:
-                self._finish_entry(entry, entry.output if entry.output is not None else entry.tensor)
+                self._finish_entry(entry, _destination(entry))
 
     def _allgather(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
         entry = self._take(response.names[0])

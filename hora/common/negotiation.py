@@ -226,7 +226,7 @@ def _rank_list(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
     spans: list[str] = []
     start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+    for r in [*ranks[1:], None]:
         if r is not None and r == prev + 1:
             prev = r
             continue
@@ -349,4 +349,3 @@ def validate(
     if kind == RequestType.ALLREDUCE and template.reduce_op == ReduceOp.ADASUM:
         return "Adasum is not supported by hora's Gloo transport; use op=hvd.Average."
     return None
-

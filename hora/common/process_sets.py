@@ -88,7 +88,9 @@ def _mpi_comm_ranks(comm: Any) -> list[int]:
 
     world_group = MPI.COMM_WORLD.Get_group()
     group = comm.Get_group()
-    return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)]
+    return [
+        int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)
+    ]
 
 
 class ProcessSetTable:

@@ -79,7 +79,9 @@ class StoreClient:
     """
 
     def __init__(self, addr: str, port: int, secret: str, timeout_s: float) -> None:
-        import torch.distributed as dist
+        import torch.distributed
+
+        dist: Any = torch.distributed
 
         self.addr = addr
         self.port = port
@@ -118,7 +120,9 @@ class StoreClient:
 
     def scoped(self, scope: str) -> Any:
         """A ``torch.distributed.PrefixStore`` for a process group's own rendezvous."""
-        import torch.distributed as dist
+        import torch.distributed
+
+        dist: Any = torch.distributed
 
         return dist.PrefixStore(f"{self.namespace}/{scope}/", self.store)
 

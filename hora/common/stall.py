@@ -41,9 +41,7 @@ class StallInspector:
             self.shutdown_time_s = 0.0
 
     def due(self) -> bool:
-        return self.enabled and time.monotonic() - self._last_check >= min(
-            self.warning_time_s, 5.0
-        )
+        return self.enabled and time.monotonic() - self._last_check >= min(self.warning_time_s, 5.0)
 
     def check(self, table: MessageTable) -> str | None:
         """Log a warning for stalled tensors; return a shutdown reason when past the limit."""

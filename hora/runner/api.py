@@ -81,8 +81,9 @@ def run(
     server = RendezvousServer("127.0.0.1")
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     server.client.set_signed(FUNCTION_KEY, payload)
-    supervisor = Supervisor(on_exit=server.record_exit,
-                            forwarder=OutputForwarder(prefix=prefix_output))
+    supervisor = Supervisor(
+        on_exit=server.record_exit, forwarder=OutputForwarder(prefix=prefix_output)
+    )
     base = dict(os.environ)
     base.update(env or {})
     command = [sys.executable, "-m", "hora.runner.task"]
@@ -108,8 +109,9 @@ def run(
                 errors[rank] = f"rank {rank} exited without returning a result"
         if errors:
             summary = "\n".join(f"rank {r}: {text}" for r, text in sorted(errors.items()))
-            raise HoraRunError(f"hora.run: {len(errors)} of {np} ranks failed.\n{summary}",
-                               results, errors)
+            raise HoraRunError(
+                f"hora.run: {len(errors)} of {np} ranks failed.\n{summary}", results, errors
+            )
         return [results[r] for r in range(np)]
     finally:
         server.close()

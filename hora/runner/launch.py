@@ -29,29 +29,64 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch a hora (Horovod-compatible) training job.",
     )
     parser.add_argument("-v", "--version", action="store_true", help="print hora's version")
-    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
-                        help="number of worker processes")
-    parser.add_argument("-H", "--hosts", default=None,
-                        help="hosts and slots, e.g. localhost:4 (default: localhost:NP)")
+    parser.add_argument(
+        "-np", "--num-proc", dest="np", type=int, default=None, help="number of worker processes"
+    )
+    parser.add_argument(
+        "-H",
+        "--hosts",
+        default=None,
+        help="hosts and slots, e.g. localhost:4 (default: localhost:NP)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print what horarun does")
-    parser.add_argument("--output-filename", default=None,
-                        help="also write each rank's output to DIR/rank.N/{stdout,stderr}")
-    parser.add_argument("--prefix-output-with-timestamp", action="store_true",
-                        help="add the time to each forwarded output line")
-    parser.add_argument("--disable-output-prefix", action="store_true",
-                        help="forward output without the [rank]<stream>: prefix")
-    parser.add_argument("--fusion-threshold-mb", type=float, default=None,
-                        help="fusion buffer size in MiB (HORA_FUSION_THRESHOLD)")
-    parser.add_argument("--cycle-time-ms", type=float, default=None,
-                        help="negotiation cycle time in ms (HORA_CYCLE_TIME)")
-    parser.add_argument("--cache-capacity", type=int, default=None,
-                        help="response cache entries (HORA_CACHE_CAPACITY)")
-    parser.add_argument("--start-timeout", type=float, default=None,
-                        help="seconds workers may take to reach the rendezvous")
-    parser.add_argument("--gloo-timeout-seconds", type=float, default=None,
-                        help="seconds one collective may wait for a peer")
-    parser.add_argument("--log-level", default=None,
-                        choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"])
+    parser.add_argument(
+        "--output-filename",
+        default=None,
+        help="also write each rank's output to DIR/rank.N/{stdout,stderr}",
+    )
+    parser.add_argument(
+        "--prefix-output-with-timestamp",
+        action="store_true",
+        help="add the time to each forwarded output line",
+    )
+    parser.add_argument(
+        "--disable-output-prefix",
+        action="store_true",
+        help="forward output without the [rank]<stream>: prefix",
+    )
+    parser.add_argument(
+        "--fusion-threshold-mb",
+        type=float,
+        default=None,
+        help="fusion buffer size in MiB (HORA_FUSION_THRESHOLD)",
+    )
+    parser.add_argument(
+        "--cycle-time-ms",
+        type=float,
+        default=None,
+        help="negotiation cycle time in ms (HORA_CYCLE_TIME)",
+    )
+    parser.add_argument(
+        "--cache-capacity",
+        type=int,
+        default=None,
+        help="response cache entries (HORA_CACHE_CAPACITY)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        help="seconds workers may take to reach the rendezvous",
+    )
+    parser.add_argument(
+        "--gloo-timeout-seconds",
+        type=float,
+        default=None,
+        help="seconds one collective may wait for a peer",
+    )
+    parser.add_argument(
+        "--log-level", default=None, choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"]
+    )
     parser.add_argument("--gloo", action="store_true", help="use Gloo (the default; accepted)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     return parser
@@ -75,7 +110,9 @@ def _settings_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def worker_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in _DROPPED_ENV and not k.startswith("BASH_FUNC_")}
+    env = {
+        k: v for k, v in base.items() if k not in _DROPPED_ENV and not k.startswith("BASH_FUNC_")
+    }
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -126,8 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for slot in slots:
         env = worker_env(dict(os.environ), {**extra, **slot.env()})
         if args.verbose:
-            print(f"horarun: starting rank {slot.rank} on {slot.hostname}: {' '.join(command)}",
-                  file=sys.stderr)
+            print(
+                f"horarun: starting rank {slot.rank} on {slot.hostname}: {' '.join(command)}",
+                file=sys.stderr,
+            )
         supervisor.spawn(slot, command, env)
     codes = supervisor.wait()
     server.close()

@@ -32,7 +32,9 @@ class RendezvousServer:
         secret: str | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        import torch.distributed as dist
+        import torch.distributed
+
+        dist: Any = torch.distributed
 
         self.secret = secret or new_secret()
         family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET

@@ -75,17 +75,16 @@ class OutputForwarder:
         log_dir: when set, also write each rank's output to ``<log_dir>/rank.<N>/<stream>``.
     """
 
-    def __init__(self, prefix: bool = True, timestamp: bool = False,
-                 log_dir: str | None = None) -> None:
+    def __init__(
+        self, prefix: bool = True, timestamp: bool = False, log_dir: str | None = None
+    ) -> None:
         self.prefix = prefix
         self.timestamp = timestamp
         self.log_dir = log_dir
         self._lock = threading.Lock()
 
     def start(self, worker: Worker, stream: IO[bytes], name: str, sink: IO[str]) -> None:
-        thread = threading.Thread(
-            target=self._pump, args=(worker, stream, name, sink), daemon=True
-        )
+        thread = threading.Thread(target=self._pump, args=(worker, stream, name, sink), daemon=True)
         thread.start()
         worker.threads.append(thread)
 
@@ -127,16 +126,20 @@ class Supervisor:
         forwarder: how output is copied.
     """
 
-    def __init__(self, on_exit: Callable[[int, str], None] | None = None,
-                 forwarder: OutputForwarder | None = None) -> None:
+    def __init__(
+        self,
+        on_exit: Callable[[int, str], None] | None = None,
+        forwarder: OutputForwarder | None = None,
+    ) -> None:
         self.workers: list[Worker] = []
         self.on_exit = on_exit
         self.forwarder = forwarder or OutputForwarder()
         self.first_failure: Worker | None = None
         self._stopping = False
 
-    def spawn(self, slot: Slot, command: list[str], env: dict[str, str],
-              cwd: str | None = None) -> Worker:
+    def spawn(
+        self, slot: Slot, command: list[str], env: dict[str, str], cwd: str | None = None
+    ) -> Worker:
         process = subprocess.Popen(
             command,
             env=env,
@@ -173,8 +176,10 @@ class Supervisor:
                         self.first_failure = worker
                         failure_deadline = time.monotonic() + FAILURE_GRACE_S
                     if self.on_exit is not None and not self._stopping:
-                        text = (f"rank {worker.rank} (host {worker.slot.hostname}, pid "
-                                f"{worker.process.pid}) {describe_exit(code)}")
+                        text = (
+                            f"rank {worker.rank} (host {worker.slot.hostname}, pid "
+                            f"{worker.process.pid}) {describe_exit(code)}"
+                        )
                         try:
                             self.on_exit(worker.rank, text)
                         except Exception:  # noqa: BLE001 - survivors will still time out

@@ -10,13 +10,17 @@ import cloudpickle
 
 
 def main() -> int:
-    from hora.common.rendezvous import StoreClient, sign
+    from hora.common.rendezvous import StoreClient
     from hora.common.topology import detect
     from hora.runner.api import FUNCTION_KEY, result_key
 
     topology = detect()
-    store = StoreClient(topology.rendezvous_addr, topology.rendezvous_port, topology.secret,
-                        float(os.environ.get("HORA_START_TIMEOUT", "60")))
+    store = StoreClient(
+        topology.rendezvous_addr,
+        topology.rendezvous_port,
+        topology.secret,
+        float(os.environ.get("HORA_START_TIMEOUT", "60")),
+    )
     fn, args, kwargs = cloudpickle.loads(store.get_signed(FUNCTION_KEY))
     try:
         outcome = ("ok", fn(*args, **kwargs))

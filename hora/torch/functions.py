@@ -13,8 +13,8 @@ import cloudpickle
 import torch
 
 from hora.common import basics
-from hora.common.rendezvous import sign, verify
 from hora.common.process_sets import ProcessSet
+from hora.common.rendezvous import sign, verify
 from hora.torch import ops
 
 
@@ -22,8 +22,12 @@ def _secret() -> str:
     return basics.topology().secret
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = ops.global_process_set) -> Any:
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = ops.global_process_set,
+) -> Any:
     """Send a picklable object from ``root_rank`` to every rank and return it everywhere.
 
     Example:
@@ -47,8 +51,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     return cloudpickle.loads(blob)
 
 
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: ProcessSet = ops.global_process_set) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = ops.global_process_set
+) -> list[Any]:
     """Gather a picklable object from every rank; returns the list in rank order.
 
     Example:
@@ -57,14 +62,15 @@ def allgather_object(obj: Any, name: str | None = None,
     name = name or type(obj).__name__
     payload = sign(_secret(), cloudpickle.dumps(obj))
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    sizes = ops.allgather(torch.tensor([data.numel()], dtype=torch.int64),
-                          name=f"{name}.sz", process_set=process_set)
+    sizes = ops.allgather(
+        torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sz", process_set=process_set
+    )
     gathered = ops.allgather(data, name=f"{name}.t", process_set=process_set)
     objects = []
     offset = 0
     raw = gathered.numpy().tobytes()
     for size in sizes.tolist():
-        blob = verify(_secret(), raw[offset:offset + size], what="gathered object")
+        blob = verify(_secret(), raw[offset : offset + size], what="gathered object")
         objects.append(cloudpickle.loads(blob))
         offset += size
     return objects

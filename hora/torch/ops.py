@@ -166,9 +166,7 @@ def _allreduce_submit(
     prefix = "grouped_allreduce" if grouped else "allreduce"
     reduce_op = _resolve_op(op, average, RequestType.ALLREDUCE)
     for tensor in tensors:
-        _check_reduction(
-            reduce_op, dtype_name(tensor.dtype) or "", RequestType.ALLREDUCE, 0
-        )
+        _check_reduction(reduce_op, dtype_name(tensor.dtype) or "", RequestType.ALLREDUCE, 0)
     return _submit(
         RequestType.ALLREDUCE,
         prefix,
@@ -222,8 +220,16 @@ def allreduce_async_(
 
 class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, average: Any, name: Any, op: Any,
-                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        average: Any,
+        name: Any,
+        op: Any,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         ctx.args = (average, op, prescale, postscale, process_set)
         return synchronize(
             allreduce_async(tensor, average, name, op, prescale, postscale, process_set)
@@ -300,8 +306,15 @@ def grouped_allreduce_async(
     """Start reducing a list of tensors as one negotiated, fused operation."""
     outputs = [torch.empty_like(t) for t in tensors]
     handle = _allreduce_submit(
-        list(tensors), outputs, name, op, average, prescale_factor, postscale_factor,
-        process_set, True,
+        list(tensors),
+        outputs,
+        name,
+        op,
+        average,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        True,
     )
     return _register(handle)
 
@@ -317,27 +330,48 @@ def grouped_allreduce_async_(
 ) -> int:
     """In-place form of :func:`grouped_allreduce_async`."""
     handle = _allreduce_submit(
-        list(tensors), list(tensors), name, op, average, prescale_factor, postscale_factor,
-        process_set, True,
+        list(tensors),
+        list(tensors),
+        name,
+        op,
+        average,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        True,
     )
     return _register(handle)
 
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, average: Any, name: Any, op: Any, prescale: float, postscale: float,
-                process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        average: Any,
+        name: Any,
+        op: Any,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> Any:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return tuple(synchronize(grouped_allreduce_async(
-            list(tensors), average, name, op, prescale, postscale, process_set
-        )))
+        return tuple(
+            synchronize(
+                grouped_allreduce_async(
+                    list(tensors), average, name, op, prescale, postscale, process_set
+                )
+            )
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         average, op, prescale, postscale, process_set = ctx.args
-        reduced = synchronize(grouped_allreduce_async(
-            [g.contiguous() for g in grads], average, None, op, prescale, postscale, process_set
-        ))
+        reduced = synchronize(
+            grouped_allreduce_async(
+                [g.contiguous() for g in grads], average, None, op, prescale, postscale, process_set
+            )
+        )
         return (None, None, None, None, None, None, *reduced)
 
 
@@ -354,7 +388,12 @@ def grouped_allreduce(
     """Reduce a list of tensors together (one negotiation, fused where possible)."""
     compressed = [compression.compress(t) for t in tensors]
     results = _GroupedAllreduceFunction.apply(
-        average, name, op, prescale_factor, postscale_factor, process_set,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
         *[c.contiguous() for c, _ in compressed],
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
@@ -370,9 +409,11 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place."""
-    return synchronize(grouped_allreduce_async_(
-        tensors, average, name, op, prescale_factor, postscale_factor, process_set
-    ))
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
 
 
 def sparse_allreduce_async(
@@ -406,8 +447,9 @@ def sparse_allreduce_async(
 # ---------------------------------------------------------------- allgather
 
 
-def _allgather_submit(tensors: Sequence[torch.Tensor], name: str | None,
-                      process_set: ProcessSet, grouped: bool) -> Handle:
+def _allgather_submit(
+    tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
+) -> Handle:
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
             raise ValueError(
@@ -415,25 +457,37 @@ def _allgather_submit(tensors: Sequence[torch.Tensor], name: str | None,
                 "least one dimension (use tensor.reshape(1))."
             )
     prefix = "grouped_allgather" if grouped else "allgather"
-    return _submit(RequestType.ALLGATHER, prefix, tensors, [None] * len(tensors), name,
-                   process_set, grouped=grouped)
+    return _submit(
+        RequestType.ALLGATHER,
+        prefix,
+        tensors,
+        [None] * len(tensors),
+        name,
+        process_set,
+        grouped=grouped,
+    )
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
     """Start gathering ``tensor`` from every rank, concatenated along dimension 0."""
     return _register(_allgather_submit([tensor], name, process_set, False))
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start gathering a list of tensors as one negotiated operation."""
     return _register(_allgather_submit(list(tensors), name, process_set, True))
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
-    sizes = synchronize(allgather_async(torch.tensor([rows], dtype=torch.int64),
-                                        process_set=process_set))
+    sizes = synchronize(
+        allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=process_set)
+    )
     engine = basics.engine()
     members = engine.process_sets.members(process_set.process_set_id or 0)
     me = members.index(engine.rank)
@@ -450,13 +504,15 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average,
-                                              process_set=ctx.process_set))
+        reduced = synchronize(
+            allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set)
+        )
         return _own_rows(reduced, ctx.rows, ctx.process_set), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
 
     The first dimension may differ between ranks; the others must match. Differentiable.
@@ -476,14 +532,19 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Average,
-                                                      process_set=ctx.process_set))
-        return (None, None, *[_own_rows(g, n, ctx.process_set)
-                              for g, n in zip(reduced, ctx.rows)])
+        reduced = synchronize(
+            grouped_allreduce_async(
+                [g.contiguous() for g in grads], op=Average, process_set=ctx.process_set
+            )
+        )
+        return (None, None, *[_own_rows(g, n, ctx.process_set) for g, n in zip(reduced, ctx.rows)])
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """Allgather each tensor of a list, negotiated together."""
     return list(_GroupedAllgatherFunction.apply(name, process_set, *tensors))
 
@@ -491,44 +552,70 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 # ---------------------------------------------------------------- broadcast
 
 
-def _broadcast_submit(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
-                      name: str | None, process_set: ProcessSet) -> Handle:
-    return _submit(RequestType.BROADCAST, "broadcast", [tensor], [output], name, process_set,
-                   root_rank=int(root_rank))
+def _broadcast_submit(
+    tensor: torch.Tensor,
+    output: torch.Tensor,
+    root_rank: int,
+    name: str | None,
+    process_set: ProcessSet,
+) -> Handle:
+    return _submit(
+        RequestType.BROADCAST,
+        "broadcast",
+        [tensor],
+        [output],
+        name,
+        process_set,
+        root_rank=int(root_rank),
+    )
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start copying ``root_rank``'s tensor to every rank (into a new tensor)."""
     output = torch.empty_like(tensor)
     return _register(_broadcast_submit(tensor, output, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start broadcasting into ``tensor`` in place."""
     return _register(_broadcast_submit(tensor, tensor, root_rank, name, process_set))
 
 
 class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any,
-                process_set: ProcessSet) -> Any:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, process_set: ProcessSet
+    ) -> Any:
         ctx.root_rank = root_rank
         ctx.process_set = process_set
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average,
-                                              process_set=ctx.process_set))
+        reduced = synchronize(
+            allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set)
+        )
         if basics.rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank. ``root_rank`` is a global rank.
 
     Example:
@@ -537,8 +624,12 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return _BroadcastFunction.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Broadcast into ``tensor`` in place and return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
@@ -574,21 +665,27 @@ def _normalize_splits(tensor: torch.Tensor, splits: Any, set_size: int) -> tuple
     return values
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start an alltoall; ``synchronize`` gives ``(output, received_splits)``."""
     _check_process_set(process_set, RequestType.ALLTOALL)
     set_size = len(basics.engine().process_sets.members(process_set.process_set_id or 0))
     values = _normalize_splits(tensor, splits, set_size)
-    handle = _submit(RequestType.ALLTOALL, "alltoall", [tensor], [None], name, process_set,
-                     splits=values)
+    handle = _submit(
+        RequestType.ALLTOALL, "alltoall", [tensor], [None], name, process_set, splits=values
+    )
     return _register(handle)
 
 
 class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any,
-                process_set: ProcessSet) -> Any:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: ProcessSet
+    ) -> Any:
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received = received
         ctx.process_set = process_set
@@ -597,13 +694,18 @@ class _AlltoallFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> Any:
-        output, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received,
-                                               process_set=ctx.process_set))
+        output, _ = synchronize(
+            alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.process_set)
+        )
         return output, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Scatter slices of ``tensor`` to every rank and gather what they send back.
 
     Args:
@@ -620,9 +722,15 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 # ---------------------------------------------------------------- reducescatter
 
 
-def _reducescatter_submit(tensors: Sequence[torch.Tensor], name: str | None, op: Any,
-                          process_set: ProcessSet, prescale_factor: float,
-                          postscale_factor: float, grouped: bool) -> Handle:
+def _reducescatter_submit(
+    tensors: Sequence[torch.Tensor],
+    name: str | None,
+    op: Any,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+    grouped: bool,
+) -> Handle:
     reduce_op = _resolve_op(op, None, RequestType.REDUCESCATTER)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
@@ -631,31 +739,55 @@ def _reducescatter_submit(tensors: Sequence[torch.Tensor], name: str | None, op:
             raise ValueError("Reducescatter needs a tensor with at least one dimension.")
         _check_reduction(reduce_op, dtype_name(tensor.dtype) or "", RequestType.REDUCESCATTER, 0)
     prefix = "grouped_reducescatter" if grouped else "reducescatter"
-    return _submit(RequestType.REDUCESCATTER, prefix, tensors, [None] * len(tensors), name,
-                   process_set, grouped=grouped, reduce_op=reduce_op,
-                   prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _submit(
+        RequestType.REDUCESCATTER,
+        prefix,
+        tensors,
+        [None] * len(tensors),
+        name,
+        process_set,
+        grouped=grouped,
+        reduce_op=reduce_op,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
-                        process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Start a reducescatter: reduce across ranks, then give each rank its slice of dim 0."""
-    return _register(_reducescatter_submit([tensor], name, op, process_set, prescale_factor,
-                                           postscale_factor, False))
+    return _register(
+        _reducescatter_submit(
+            [tensor], name, op, process_set, prescale_factor, postscale_factor, False
+        )
+    )
 
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                                op: Any = Average,
-                                process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Start reducescatters of a list of tensors, negotiated together."""
-    return _register(_reducescatter_submit(list(tensors), name, op, process_set,
-                                           prescale_factor, postscale_factor, True))
+    return _register(
+        _reducescatter_submit(
+            list(tensors), name, op, process_set, prescale_factor, postscale_factor, True
+        )
+    )
 
 
-def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
-                        process_set: ProcessSet) -> torch.Tensor:
+def _reducescatter_grad(
+    grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
+) -> torch.Tensor:
     set_size = len(basics.engine().process_sets.members(process_set.process_set_id or 0))
     factor = prescale * postscale * (set_size if op == ReduceOp.SUM else 1)
     return synchronize(allgather_async((grad * factor).contiguous(), process_set=process_set))
@@ -663,57 +795,97 @@ def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, prescale: float, posts
 
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, process_set: ProcessSet,
-                prescale: float, postscale: float) -> Any:
-        ctx.args = (_resolve_op(op, None, RequestType.REDUCESCATTER), prescale, postscale,
-                    process_set)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
-                                               postscale))
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: Any,
+        op: Any,
+        process_set: ProcessSet,
+        prescale: float,
+        postscale: float,
+    ) -> Any:
+        ctx.args = (
+            _resolve_op(op, None, RequestType.REDUCESCATTER),
+            prescale,
+            postscale,
+            process_set,
+        )
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return _reducescatter_grad(grad, *ctx.args), None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None,
-                  compression: Any = Compression.none, op: Any = Average,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's slice of dimension 0.
 
     When dimension 0 does not divide evenly, the first ``dim0 % size`` ranks get one extra row.
     """
     compressed, ctx = compression.compress(tensor)
-    result = _ReducescatterFunction.apply(compressed.contiguous(), name, op, process_set,
-                                          prescale_factor, postscale_factor)
+    result = _ReducescatterFunction.apply(
+        compressed.contiguous(), name, op, process_set, prescale_factor, postscale_factor
+    )
     return compression.decompress(result, ctx)
 
 
 class _GroupedReducescatterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Any, op: Any, process_set: ProcessSet, prescale: float,
-                postscale: float, *tensors: torch.Tensor) -> Any:
-        ctx.args = (_resolve_op(op, None, RequestType.REDUCESCATTER), prescale, postscale,
-                    process_set)
-        return tuple(synchronize(grouped_reducescatter_async(
-            list(tensors), name, op, process_set, prescale, postscale)))
+    def forward(
+        ctx: Any,
+        name: Any,
+        op: Any,
+        process_set: ProcessSet,
+        prescale: float,
+        postscale: float,
+        *tensors: torch.Tensor,
+    ) -> Any:
+        ctx.args = (
+            _resolve_op(op, None, RequestType.REDUCESCATTER),
+            prescale,
+            postscale,
+            process_set,
+        )
+        return tuple(
+            synchronize(
+                grouped_reducescatter_async(
+                    list(tensors), name, op, process_set, prescale, postscale
+                )
+            )
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return (None, None, None, None, None,
-                *[_reducescatter_grad(g, *ctx.args) for g in grads])
+        return (None, None, None, None, None, *[_reducescatter_grad(g, *ctx.args) for g in grads])
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
-                          compression: Any = Compression.none, op: Any = Average,
-                          process_set: ProcessSet = global_process_set,
-                          prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
     """Reducescatter each tensor of a list, negotiated together."""
     compressed = [compression.compress(t) for t in tensors]
     results = _GroupedReducescatterFunction.apply(
-        name, op, process_set, prescale_factor, postscale_factor,
-        *[c.contiguous() for c, _ in compressed])
+        name,
+        op,
+        process_set,
+        prescale_factor,
+        postscale_factor,
+        *[c.contiguous() for c, _ in compressed],
+    )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
 
 
@@ -765,8 +937,16 @@ def join(device: int = -1) -> int:
     del device
     engine = basics.engine()
     handle = Handle(1, RequestType.JOIN)
-    engine.enqueue([Entry(Request(name="join.noname", kind=RequestType.JOIN, dtype="uint8"),
-                          None, None, handle)])
+    engine.enqueue(
+        [
+            Entry(
+                Request(name="join.noname", kind=RequestType.JOIN, dtype="uint8"),
+                None,
+                None,
+                handle,
+            )
+        ]
+    )
     return int(handle.wait()[0])
 
 
@@ -775,8 +955,21 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     set_id = _check_process_set(process_set, RequestType.BARRIER)
     engine = basics.engine()
     handle = Handle(1, RequestType.BARRIER)
-    engine.enqueue([Entry(Request(name=f"barrier.noname.{set_id}", kind=RequestType.BARRIER,
-                                  dtype="uint8", process_set_id=set_id), None, None, handle)])
+    engine.enqueue(
+        [
+            Entry(
+                Request(
+                    name=f"barrier.noname.{set_id}",
+                    kind=RequestType.BARRIER,
+                    dtype="uint8",
+                    process_set_id=set_id,
+                ),
+                None,
+                None,
+                handle,
+            )
+        ]
+    )
     handle.wait()
 
 

@@ -12,10 +12,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed as _dist
 
 from hora.common.message import ReduceOp
 from hora.common.transport import TransportError
+
+# torch.distributed's stubs omit the process-group methods used here.
+dist: Any = _dist
 
 _REDUCE_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -56,7 +59,7 @@ class GlooCommunicator:
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [device]
         try:
-            self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+            self._pg: Any = dist.ProcessGroupGloo(store, rank, size, options)
         except RuntimeError as exc:
             raise TransportError(f"could not connect the Gloo group: {exc}") from exc
         self._aborted = False

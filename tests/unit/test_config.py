@@ -1,0 +1,39 @@
+import pytest
+
+from hora.common.config import SettingError, Settings
+
+
+def test_defaults_match_horovod() -> None:
+    s = Settings.from_env({})
+    assert s.fusion_threshold_bytes == 128 * 1024 * 1024
+    assert s.cycle_time_ms == 1.0
+    assert s.cache_capacity == 1024
+    assert s.stall_check_time_s == 60
+    assert s.stall_shutdown_time_s == 0
+
+
+def test_horovod_names_are_honoured_and_hora_names_win() -> None:
+    s = Settings.from_env({"HOROVOD_FUSION_THRESHOLD": "1024", "HOROVOD_CYCLE_TIME": "5"})
+    assert (s.fusion_threshold_bytes, s.cycle_time_ms) == (1024, 5.0)
+    s = Settings.from_env({"HOROVOD_CYCLE_TIME": "5", "HORA_CYCLE_TIME": "2.5"})
+    assert s.cycle_time_ms == 2.5
+
+
+def test_booleans_parse_like_horovod() -> None:
+    assert Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "1"}).stall_check_enabled is False
+    assert Settings.from_env({"HORA_DYNAMIC_PROCESS_SETS": "true"}).dynamic_process_sets
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"HORA_FUSION_THRESHOLD": "lots"}, "must be an integer"),
+        ({"HORA_FUSION_THRESHOLD": "-1"}, ">= 0 bytes"),
+        ({"HORA_CYCLE_TIME": "x"}, "must be a number"),
+        ({"HORA_LOG_LEVEL": "LOUD"}, "HORA_LOG_LEVEL must be one of"),
+        ({"HORA_STALL_CHECK_DISABLE": "maybe"}, "must be 0 or 1"),
+    ],
+)
+def test_bad_values_are_named(env: dict[str, str], match: str) -> None:
+    with pytest.raises(SettingError, match=match):
+        Settings.from_env(env)

@@ -1,0 +1,92 @@
+import subprocess
+import sys
+
+HOROVOD_TORCH_NAMES = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "size",
+    "local_size",
+    "cross_size",
+    "rank",
+    "local_rank",
+    "cross_rank",
+    "mpi_threads_supported",
+    "mpi_enabled",
+    "mpi_built",
+    "gloo_enabled",
+    "gloo_built",
+    "nccl_built",
+    "ddl_built",
+    "ccl_built",
+    "cuda_built",
+    "rocm_built",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "allreduce",
+    "allreduce_async",
+    "allreduce_",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "grouped_allreduce_",
+    "grouped_allreduce_async_",
+    "sparse_allreduce_async",
+    "allgather",
+    "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
+    "barrier",
+    "poll",
+    "synchronize",
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    "HorovodInternalError",
+    "Compression",
+    "broadcast_object",
+    "allgather_object",
+]
+
+
+def test_hora_torch_exports_horovod_names() -> None:
+    import hora.torch as hvd
+
+    missing = [name for name in HOROVOD_TORCH_NAMES if not hasattr(hvd, name)]
+    assert missing == []
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert hvd.HorovodInternalError is hvd.HoraInternalError
+
+
+def test_importing_the_runner_does_not_import_torch() -> None:
+    code = (
+        "import sys, hora, hora.runner.launch, hora.runner.api, hora.runner.supervisor;"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_topology_queries_before_init_raise() -> None:
+    import pytest
+
+    import hora.torch as hvd
+
+    with pytest.raises(ValueError, match="has not been initialized"):
+        hvd.rank()

@@ -1,0 +1,118 @@
+from hora.common.fusion import plan
+from hora.common.message import CycleMessage, ReduceOp, Request, RequestType
+from hora.common.negotiation import MessageTable, ResponseCache, validate
+from hora.common.process_sets import ProcessSetTable
+
+
+def _req(name: str = "allreduce.x", **fields: object) -> Request:
+    defaults: dict[str, object] = dict(kind=RequestType.ALLREDUCE, dtype="float32", shape=(4,))
+    defaults.update(fields)
+    return Request(name=name, **defaults)  # type: ignore[arg-type]
+
+
+def test_request_round_trips_through_the_wire() -> None:
+    req = _req(splits=(1, 2), group=("g", 2), prescale=0.5, reduce_op=ReduceOp.MAX)
+    message = CycleMessage((req,), (), "bye")
+    requests, shutdown = CycleMessage.decode_payload(message.encode_payload())
+    assert requests == (req,) and shutdown == "bye"
+    assert CycleMessage().encode_payload() == b""
+
+
+def test_ready_only_when_every_member_submitted_in_arrival_order() -> None:
+    table = MessageTable(ProcessSetTable(3))
+    cache = ResponseCache(16)
+    for rank in range(3):
+        table.add(rank, _req("allreduce.b"))
+    table.add(0, _req("allreduce.a"))
+    table.add(1, _req("allreduce.a"))
+    assert [r.names for r in table.ready(cache)] == [["allreduce.b"]]
+    table.add(2, _req("allreduce.a"))
+    assert [r.names for r in table.ready(cache)] == [["allreduce.a"]]
+    assert not table
+
+
+def test_shape_mismatch_names_tensor_and_ranks() -> None:
+    requests = {0: _req(shape=(4,)), 1: _req(shape=(5,)), 2: _req(shape=(4,))}
+    error = validate("allreduce.x", requests, ProcessSetTable(3), {})
+    assert error is not None
+    assert "'allreduce.x'" in error
+    assert "ranks 0, 2: allreduce float32 [4]" in error
+    assert "rank 1: allreduce float32 [5]" in error
+
+
+def test_allgather_allows_different_first_dimension_only() -> None:
+    ps = ProcessSetTable(2)
+    ok = {
+        0: _req(kind=RequestType.ALLGATHER, shape=(1, 3)),
+        1: _req(kind=RequestType.ALLGATHER, shape=(2, 3)),
+    }
+    assert validate("allgather.x", ok, ps, {}) is None
+    bad = {
+        0: _req(kind=RequestType.ALLGATHER, shape=(1, 3)),
+        1: _req(kind=RequestType.ALLGATHER, shape=(1, 4)),
+    }
+    assert "allows the first dimension to differ" in (validate("allgather.x", bad, ps, {}) or "")
+
+
+def test_broadcast_root_must_agree_and_be_a_member() -> None:
+    ps = ProcessSetTable(2)
+    req = {
+        0: _req(kind=RequestType.BROADCAST, root_rank=0),
+        1: _req(kind=RequestType.BROADCAST, root_rank=1),
+    }
+    assert "broadcast root ranks" in (validate("b", req, ps, {}) or "")
+    req = {
+        0: _req(kind=RequestType.BROADCAST, root_rank=5),
+        1: _req(kind=RequestType.BROADCAST, root_rank=5),
+    }
+    assert "root rank 5 is not a member" in (validate("b", req, ps, {}) or "")
+
+
+def test_cache_bits_are_identical_across_replicas_and_evict_lru() -> None:
+    replicas = [ResponseCache(2), ResponseCache(2)]
+    for cache in replicas:
+        for name in ("a", "b", "a", "c"):
+            cache.put(name, {0: _req(name)})
+    assert replicas[0].bit_for(_req("a"), 0) == replicas[1].bit_for(_req("a"), 0)
+    assert replicas[0].bit_for(_req("b"), 0) is None  # least recently used, evicted
+    assert replicas[0].bit_for(_req("c", shape=(9,)), 0) is None  # changed request: no hit
+    bit = replicas[0].bit_for(_req("c"), 0)
+    assert bit is not None and replicas[1].expand(bit, 0) == _req("c")
+
+
+def test_join_lets_allreduce_proceed_and_reports_last_rank() -> None:
+    table = MessageTable(ProcessSetTable(2))
+    cache = ResponseCache(0)
+    table.add(0, Request("join.noname", RequestType.JOIN))
+    table.add(1, _req())
+    (response,) = table.ready(cache)
+    assert response.error is None and response.joined_ranks == frozenset({0})
+    table.add(1, _req("allgather.y", kind=RequestType.ALLGATHER, shape=(1,)))
+    (response,) = table.ready(cache)
+    assert response.error is not None and "only allreduce is supported with join" in response.error
+    table.add(1, Request("join.noname", RequestType.JOIN))
+    (response,) = table.ready(cache)
+    assert response.kind == RequestType.JOIN and response.last_joined_rank == 1
+
+
+def test_grouped_requests_are_released_together() -> None:
+    table = MessageTable(ProcessSetTable(2))
+    group = ("grouped_allreduce.g", 2)
+    for rank in range(2):
+        table.add(rank, _req("g_1of2", group=group))
+    assert table.ready(ResponseCache(0)) == []
+    for rank in range(2):
+        table.add(rank, _req("g_2of2", group=group))
+    assert [r.names[0] for r in table.ready(ResponseCache(0))] == ["g_1of2", "g_2of2"]
+
+
+def test_fusion_packs_compatible_allreduces_up_to_threshold() -> None:
+    table = MessageTable(ProcessSetTable(1))
+    names = ["a", "b", "c", "d"]
+    for name in names:
+        dtype = "float64" if name == "b" else "float32"
+        table.add(0, _req(name, shape=(256,), dtype=dtype))  # 1 KiB (2 KiB for float64)
+    responses = table.ready(ResponseCache(0))
+    batches = plan(responses, threshold_bytes=2048)
+    assert [[r.names[0] for r in batch] for batch in batches] == [["a", "c"], ["b"], ["d"]]
+    assert [len(b) for b in plan(responses, threshold_bytes=0)] == [1, 1, 1, 1]
