@@ -36,7 +36,13 @@ from hora.common.errors import DUPLICATE_NAME, HoraInternalError, shut_down_mess
 from hora.common.message import CycleMessage, ReduceOp, Request, RequestType, Response
 from hora.common.negotiation import MessageTable, ResponseCache
 from hora.common.process_sets import ProcessSetTable
-from hora.common.rendezvous import FAILURE_KEY, StoreClient, exit_key
+from hora.common.rendezvous import (
+    FAILURE_KEY,
+    PARKED_KEY,
+    StoreClient,
+    exit_key,
+    report_failure,
+)
 from hora.common.stall import StallInspector
 from hora.common.topology import Topology
 from hora.common.transport import Communicator, TransportError
@@ -47,6 +53,8 @@ logger = logging.getLogger("hora")
 PARK_AFTER_IDLE_S = 0.005
 # How often a parked or waiting thread looks at the store for failures.
 WATCH_INTERVAL_S = 0.5
+# A parked rank waits on its doorbell this long at most (a ring always comes first).
+PARKED_WAIT_S = 7 * 24 * 3600.0
 # How long a survivor waits for the launcher's (or other survivors') account of a failure.
 DIAGNOSE_WINDOW_S = 2.0
 
@@ -315,23 +323,32 @@ class Engine:
         return True
 
     def _wait_for_turn(self) -> None:
+        """Start the next cycle when local work arrives or a cycle time has passed.
+
+        Starting at once on local work keeps a lone synchronous op's latency near the
+        transport's; requests that arrive while a cycle runs are batched into the next one.
+        """
         if self.size > 1 and self._idle_cycles >= self._park_after:
             self._park()
             return
-        delay = self._last_cycle_start + self.settings.cycle_time_ms / 1000 - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        deadline = self._last_cycle_start + self.settings.cycle_time_ms / 1000
+        with self._wakeup:
+            while not self._queue and self._shutdown_reason is None:
+                remaining = deadline - time.monotonic()
+                if self.size > 1 and remaining <= 0:
+                    break
+                self._wakeup.wait(timeout=remaining if self.size > 1 else None)
         self._last_cycle_start = time.monotonic()
-        if self.size == 1:
-            with self._wakeup:
-                while not self._queue and self._shutdown_reason is None:
-                    self._wakeup.wait()
 
     def _park(self) -> None:
         """Sleep until this rank has work, another rank rings, or a check is due."""
         generation = self._parked_generation = self._parked_generation + 1
-        if self.rank == 0 and generation > 1:
-            self._store.delete(f"g{self._generation}/wake/{generation - 1}")
+        wake_key = f"g{self._generation}/wake/{generation}"
+        if self.rank == 0:
+            if generation > 1:
+                self._store.delete(f"g{self._generation}/wake/{generation - 1}")
+            # Whoever reports a failure rings the doorbell named here, to wake parked ranks.
+            self._store.store.set(self._store.key(PARKED_KEY), wake_key.encode())
         assert self._watcher is not None
         self._watcher.watch(generation)
         ring = False
@@ -350,7 +367,7 @@ class Engine:
                     if reason is not None:
                         self._shutdown_reason = self._shutdown_reason or reason
         if ring:
-            self._store.set_signed(f"g{self._generation}/wake/{generation}", b"")
+            self._store.set_signed(wake_key, b"")
         self._idle_cycles = 0
         self._last_cycle_start = time.monotonic()
 
@@ -665,12 +682,7 @@ class Engine:
         others = [r for r in range(self.size) if r != self.rank]
         try:
             store.set_signed(f"g{self._generation}/alive/{self.rank}", b"")
-            try:
-                store.store.compare_set(
-                    store.key(FAILURE_KEY), "", f"rank {self.rank}: {error}".encode()
-                )
-            except RuntimeError:
-                pass
+            report_failure(store, f"rank {self.rank}: {error}")
             deadline = time.monotonic() + DIAGNOSE_WINDOW_S
             silent = others
             while True:
@@ -768,14 +780,16 @@ class _Watcher(threading.Thread):
             while not self._stop_flag and engine.running:
                 target = self._watching
                 if target > seen:
-                    key = f"g{engine._generation}/wake/{target}"
-                    if self._store.wait(key, WATCH_INTERVAL_S):
-                        seen = target
-                        engine._wake(target)
-                        continue
-                else:
-                    self._event.wait(WATCH_INTERVAL_S)
-                    self._event.clear()
+                    self._check_failure()
+                    if self.failure is not None:
+                        return
+                    # No timeout: a failure or a shutdown rings this key too.
+                    self._store.wait(f"g{engine._generation}/wake/{target}", PARKED_WAIT_S)
+                    seen = target
+                    engine._wake(target)
+                    continue
+                self._event.wait(WATCH_INTERVAL_S)
+                self._event.clear()
                 self._check_failure()
         except Exception as exc:  # noqa: BLE001 - store gone: let the engine find out
             if engine.running and not self._stop_flag:

@@ -25,6 +25,10 @@ TAG_BYTES = 32
 FAILURE_KEY = "failure"
 
 
+# Names the doorbell key parked ranks wait on (written by global rank 0 when it parks).
+PARKED_KEY = "parked"
+
+
 def exit_key(rank: int) -> str:
     """Store key where the launcher records how a rank's process ended."""
     return f"exit/{rank}"
@@ -152,3 +156,14 @@ class StoreClient:
             self.store.delete_key(self.key(name))
         except RuntimeError:
             pass
+
+
+def report_failure(store: StoreClient, text: str) -> None:
+    """Mark the job failed (first report wins) and wake ranks parked on their doorbell."""
+    try:
+        store.store.compare_set(store.key(FAILURE_KEY), "", text.encode())
+    except RuntimeError:
+        pass
+    if store.check(PARKED_KEY):
+        wake_key = bytes(store.store.get(store.key(PARKED_KEY))).decode(errors="replace")
+        store.set_signed(wake_key, b"")

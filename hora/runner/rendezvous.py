@@ -12,7 +12,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from hora.common.rendezvous import FAILURE_KEY, StoreClient, exit_key, new_secret
+from hora.common.rendezvous import StoreClient, exit_key, new_secret, report_failure
 
 
 class RendezvousServer:
@@ -68,10 +68,7 @@ class RendezvousServer:
     def record_exit(self, rank: int, text: str) -> None:
         """Tell the surviving workers how a rank's process ended."""
         self.client.set_signed(exit_key(rank), text.encode())
-        try:
-            self.client.store.compare_set(self.client.key(FAILURE_KEY), "", text.encode())
-        except RuntimeError:
-            pass
+        report_failure(self.client, text)
 
     def close(self) -> None:
         """Stop serving (the store closes its socket)."""
