@@ -35,6 +35,7 @@ class _State:
         self.generation = 0
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
+        self.exit_cause: str | None = None
 
 
 _state = _State()
@@ -139,7 +140,14 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             process_set._bind(set_id, topology.rank)
             _state.process_sets[set_id] = process_set
         if not _state.atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
+            _previous_hook = sys.excepthook
+
+            def _record_uncaught(kind: Any, value: Any, tb: Any) -> None:
+                _state.exit_cause = f"{kind.__name__}: {value}"
+                _previous_hook(kind, value, tb)
+
+            sys.excepthook = _record_uncaught
             _state.atexit_registered = True
         logger.debug("initialized: %s", topology)
 
@@ -150,13 +158,23 @@ def _replace(settings: Settings, **changes: Any) -> Settings:
     return replace(settings, **changes)
 
 
-def shutdown() -> None:
+def _shutdown_at_exit() -> None:
+    engine = _state.engine
+    if engine is None:
+        return
+    reason = f"rank {engine.rank} is exiting (hvd.shutdown() ran at process exit)"
+    if _state.exit_cause:
+        reason = f"rank {engine.rank} is exiting after an uncaught {_state.exit_cause}"
+    shutdown(reason)
+
+
+def shutdown(reason: str | None = None) -> None:
     """Stop the engine. Pending operations on every rank fail; ``init`` may be called again."""
     with _state.lock:
         engine = _state.engine
         if engine is None:
             return
-        engine.shutdown()
+        engine.shutdown(reason)
         _state.engine = None
         for process_set in _state.process_sets.values():
             if process_set is not global_process_set:

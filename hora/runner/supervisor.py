@@ -50,6 +50,7 @@ class Worker:
     process: subprocess.Popen[bytes]
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
+    exit_time: float = float("inf")
 
     @property
     def rank(self) -> int:
@@ -154,8 +155,15 @@ class Supervisor:
         assert process.stdout is not None and process.stderr is not None
         self.forwarder.start(worker, process.stdout, "stdout", sys.stdout)
         self.forwarder.start(worker, process.stderr, "stderr", sys.stderr)
+        waiter = threading.Thread(target=self._note_exit, args=(worker,), daemon=True)
+        waiter.start()
         self.workers.append(worker)
         return worker
+
+    @staticmethod
+    def _note_exit(worker: Worker) -> None:
+        worker.process.wait()
+        worker.exit_time = time.monotonic()
 
     def wait(self, timeout_s: float | None = None) -> dict[int, int]:
         """Wait for every worker; returns exit codes by rank.
@@ -227,12 +235,11 @@ class Supervisor:
 
     def failure_report(self, codes: dict[int, int]) -> str:
         """What went wrong, for the user: the first failed rank and its last stderr lines."""
-        worker = self.first_failure
-        if worker is None:
-            failed = [r for r, c in codes.items() if c != 0]
-            if not failed:
-                return ""
-            worker = self.workers[failed[0]]
+        failed = [w for w in self.workers if codes.get(w.rank, 0) != 0]
+        if not failed:
+            return ""
+        # The rank that ended first is the likeliest cause; the others followed it.
+        worker = min(failed, key=lambda w: (w.exit_time, w.rank))
         code = codes[worker.rank]
         lines = [
             f"rank {worker.rank} (host {worker.slot.hostname}, pid {worker.process.pid}) "
