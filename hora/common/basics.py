@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from hora.common.config import Settings, lookup
+from hora.common.config import Settings, flag, lookup, start_timeout_s
 from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
 from hora.common.process_sets import ProcessSet
@@ -45,7 +45,7 @@ def _configure_logging(level: str, rank: int) -> None:
     if getattr(_configure_logging, "done", False):
         return
     handler = logging.StreamHandler(sys.stderr)
-    hide_time = (lookup("LOG_HIDE_TIME") or "0") not in ("0", "")
+    hide_time = flag("LOG_HIDE_TIME")
     fmt = "[%(levelname)s hora rank " + str(rank) + "] %(message)s"
     if not hide_time:
         fmt = "[%(asctime)s " + fmt[1:]
@@ -101,9 +101,8 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             settings = _replace(settings, dynamic_process_sets=True)
         topology = detect()
         _configure_logging(settings.log_level, topology.rank)
-        timeout = float(lookup("START_TIMEOUT") or 30)
         store = StoreClient(
-            topology.rendezvous_addr, topology.rendezvous_port, topology.secret, timeout
+            topology.rendezvous_addr, topology.rendezvous_port, topology.secret, start_timeout_s()
         )
         member_lists: list[tuple[int, ...]] = []
         for process_set in sets:
@@ -165,6 +164,7 @@ def _shutdown_at_exit() -> None:
     reason = f"rank {engine.rank} is exiting (hvd.shutdown() ran at process exit)"
     if _state.exit_cause:
         reason = f"rank {engine.rank} is exiting after an uncaught {_state.exit_cause}"
+    engine.report_cause(reason)
     shutdown(reason)
 
 
@@ -241,8 +241,14 @@ def is_homogeneous() -> bool:
     return t.local_size * t.cross_size == t.size
 
 
-def register_process_set(process_set: ProcessSet) -> ProcessSet:
-    """Add a process set on every rank (collective: all ranks call it in the same order)."""
+def register_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
+    """Add a process set on every rank (collective: all ranks call it in the same order).
+
+    Args:
+        process_set: a ``ProcessSet`` or a list of global ranks.
+    """
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
     current = engine()
     if not current.settings.dynamic_process_sets:
         raise ValueError(

@@ -57,6 +57,11 @@ def _int(name: str, default: int, env: Mapping[str, str] | None) -> int:
         ) from None
 
 
+def flag(name: str, default: bool = False, env: Mapping[str, str] | None = None) -> bool:
+    """An on/off variable: 1/0, true/false, yes/no, on/off (``HORA_`` then ``HOROVOD_``)."""
+    return _bool(name, default, env)
+
+
 def _bool(name: str, default: bool, env: Mapping[str, str] | None) -> bool:
     raw = lookup(name, env)
     if raw is None:
@@ -89,7 +94,6 @@ class Settings:
         dynamic_process_sets: allow ``add_process_set`` after ``init``.
         disable_group_fusion: fuse the tensors of a group only with each other.
         log_level: ``TRACE``, ``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``.
-        elastic: the job runs under the elastic driver.
     """
 
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
@@ -102,7 +106,6 @@ class Settings:
     dynamic_process_sets: bool = False
     disable_group_fusion: bool = False
     log_level: str = "WARNING"
-    elastic: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -122,7 +125,6 @@ class Settings:
             dynamic_process_sets=_bool("DYNAMIC_PROCESS_SETS", False, env),
             disable_group_fusion=_bool("DISABLE_GROUP_FUSION", False, env),
             log_level=(lookup("LOG_LEVEL", env) or "WARNING").upper(),
-            elastic=_bool("ELASTIC", False, env),
         )
         settings.validate()
         return settings
@@ -144,3 +146,8 @@ class Settings:
                 f"HORA_LOG_LEVEL must be one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL; "
                 f"got {self.log_level!r}."
             )
+
+
+def start_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """How long a worker may take to reach the job's store (``HORA_START_TIMEOUT``)."""
+    return _float("START_TIMEOUT", DEFAULT_START_TIMEOUT_S, env)

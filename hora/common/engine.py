@@ -37,11 +37,13 @@ from hora.common.message import CycleMessage, ReduceOp, Request, RequestType, Re
 from hora.common.negotiation import MessageTable, ResponseCache
 from hora.common.process_sets import ProcessSetTable
 from hora.common.rendezvous import (
+    CAUSE_KEY,
     FAILURE_KEY,
     PARKED_KEY,
     StoreClient,
     exit_key,
     report_failure,
+    sign,
 )
 from hora.common.stall import StallInspector
 from hora.common.topology import Topology
@@ -240,6 +242,21 @@ class Engine:
         for comm in [self._control, *self._communicators.values()]:
             if self._failure is not None:
                 comm.abort()
+
+    def report_cause(self, text: str) -> None:
+        """Record in the store that this rank is ending the job (first report wins).
+
+        The launcher reads it to name the rank that caused a failure, which is not always the
+        rank whose process ended first.
+        """
+        if self.size == 1:
+            return
+        try:
+            self._store.store.compare_set(
+                self._store.key(CAUSE_KEY), "", sign(self._store.secret, text.encode())
+            )
+        except Exception:  # noqa: BLE001 - best effort while exiting
+            pass
 
     @property
     def failure(self) -> str | None:

@@ -25,6 +25,9 @@ TAG_BYTES = 32
 FAILURE_KEY = "failure"
 
 
+# Set (first writer wins, signed "rank N: why") by a worker that ends the job on purpose.
+CAUSE_KEY = "cause"
+
 # Names the doorbell key parked ranks wait on (written by global rank 0 when it parks).
 PARKED_KEY = "parked"
 

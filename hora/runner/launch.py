@@ -169,9 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         supervisor.spawn(slot, command, env)
     codes = supervisor.wait()
+    cause = server.cause_rank()
     server.close()
     if any(code != 0 for code in codes.values()):
-        print(f"horarun: the job failed.\n{supervisor.failure_report(codes)}", file=sys.stderr)
+        report = supervisor.failure_report(codes, cause)
+        print(f"horarun: the job failed.\n{report}", file=sys.stderr)
         return 1
     return 0
 

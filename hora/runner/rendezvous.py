@@ -12,7 +12,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from hora.common.rendezvous import StoreClient, exit_key, new_secret, report_failure
+from hora.common.rendezvous import CAUSE_KEY, StoreClient, exit_key, new_secret, report_failure
 
 
 class RendezvousServer:
@@ -69,6 +69,19 @@ class RendezvousServer:
         """Tell the surviving workers how a rank's process ended."""
         self.client.set_signed(exit_key(rank), text.encode())
         report_failure(self.client, text)
+
+    def cause_rank(self) -> int | None:
+        """The rank that reported ending the job on purpose (e.g. an uncaught exception)."""
+        if self.client is None or not self.client.check(CAUSE_KEY):
+            return None
+        try:
+            text = self.client.get_signed(CAUSE_KEY).decode()
+        except Exception:  # noqa: BLE001 - an unsigned value is ignored
+            return None
+        words = text.split()
+        if len(words) >= 2 and words[0] == "rank" and words[1].isdigit():
+            return int(words[1])
+        return None
 
     def close(self) -> None:
         """Stop serving (the store closes its socket)."""

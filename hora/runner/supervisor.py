@@ -233,13 +233,20 @@ class Supervisor:
                 pass
         psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
 
-    def failure_report(self, codes: dict[int, int]) -> str:
-        """What went wrong, for the user: the first failed rank and its last stderr lines."""
+    def failure_report(self, codes: dict[int, int], cause_rank: int | None = None) -> str:
+        """What went wrong, for the user: the causing rank and its last stderr lines.
+
+        Args:
+            codes: exit codes by rank.
+            cause_rank: the rank that reported ending the job, when one did.
+        """
         failed = [w for w in self.workers if codes.get(w.rank, 0) != 0]
         if not failed:
             return ""
-        # The rank that ended first is the likeliest cause; the others followed it.
-        worker = min(failed, key=lambda w: (w.exit_time, w.rank))
+        # A rank that reported ending the job is the cause; otherwise the rank that ended
+        # first is the likeliest one, and the others followed it.
+        named = [w for w in failed if w.rank == cause_rank]
+        worker = named[0] if named else min(failed, key=lambda w: (w.exit_time, w.rank))
         code = codes[worker.rank]
         lines = [
             f"rank {worker.rank} (host {worker.slot.hostname}, pid {worker.process.pid}) "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
@@ -10,6 +9,7 @@ import cloudpickle
 
 
 def main() -> int:
+    from hora.common.config import start_timeout_s
     from hora.common.rendezvous import StoreClient
     from hora.common.topology import detect
     from hora.runner.api import FUNCTION_KEY, result_key
@@ -19,7 +19,7 @@ def main() -> int:
         topology.rendezvous_addr,
         topology.rendezvous_port,
         topology.secret,
-        float(os.environ.get("HORA_START_TIMEOUT", "60")),
+        start_timeout_s(),
     )
     fn, args, kwargs = cloudpickle.loads(store.get_signed(FUNCTION_KEY))
     try:

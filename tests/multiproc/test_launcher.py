@@ -67,7 +67,8 @@ def test_failed_rank_is_reported_and_others_are_stopped(tmp_path: Path) -> None:
     )
     result = _run([*HORARUN, "-np", "3", sys.executable, script])
     assert result.returncode == 1
-    assert "horarun: the job failed." in result.stderr
+    assert "horarun: the job failed.\nrank 1 (host localhost" in result.stderr
+    assert "exited with code 3" in result.stderr
     assert "bad input on rank 1" in result.stderr
     # Survivors learn which rank ended the job rather than hanging.
     for survivor in (0, 2):
