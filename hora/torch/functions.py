@@ -7,6 +7,7 @@ process of this job are never unpickled.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import cloudpickle
@@ -22,6 +23,16 @@ def _secret() -> str:
     return basics.topology().secret
 
 
+_calls = itertools.count()
+
+
+def _default_name(kind: str) -> str:
+    # Horovod names the tensors after type(obj), so a root passing a dict and other ranks
+    # passing None never match and the job stalls. A per-process call counter matches as long
+    # as every rank calls the helpers in the same order, which they must anyway.
+    return f"{kind}.{next(_calls)}"
+
+
 def broadcast_object(
     obj: Any,
     root_rank: int = 0,
@@ -33,7 +44,7 @@ def broadcast_object(
     Example:
         >>> config = hvd.broadcast_object(config if hvd.rank() == 0 else None, root_rank=0)
     """
-    name = name or type(obj).__name__
+    name = name or _default_name("broadcast_object")
     if basics.rank() == root_rank:
         payload = sign(_secret(), cloudpickle.dumps(obj))
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -59,7 +70,7 @@ def allgather_object(
     Example:
         >>> counts = hvd.allgather_object(len(my_shard))
     """
-    name = name or type(obj).__name__
+    name = name or _default_name("allgather_object")
     payload = sign(_secret(), cloudpickle.dumps(obj))
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     sizes = ops.allgather(

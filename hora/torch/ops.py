@@ -447,15 +447,19 @@ def sparse_allreduce_async(
 # ---------------------------------------------------------------- allgather
 
 
-def _allgather_submit(
-    tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
-) -> Handle:
+def _check_not_scalar(tensors: Sequence[torch.Tensor]) -> None:
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
             raise ValueError(
                 "Process-set rank zero tried to ALLGATHER a rank-zero tensor: allgather needs at "
                 "least one dimension (use tensor.reshape(1))."
             )
+
+
+def _allgather_submit(
+    tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
+) -> Handle:
+    _check_not_scalar(tensors)
     prefix = "grouped_allgather" if grouped else "allgather"
     return _submit(
         RequestType.ALLGATHER,
@@ -498,6 +502,7 @@ def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.T
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: ProcessSet) -> Any:
+        _check_not_scalar([tensor])
         ctx.rows = tensor.shape[0]
         ctx.process_set = process_set
         return synchronize(allgather_async(tensor, name, process_set))
@@ -526,6 +531,7 @@ def allgather(
 class _GroupedAllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Any, process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
+        _check_not_scalar(tensors)
         ctx.rows = [t.shape[0] for t in tensors]
         ctx.process_set = process_set
         return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))

@@ -1,0 +1,91 @@
+"""Failures on real processes: a peer killed mid-job, and a rank that never submits a tensor
+(the stall inspector shuts the job down). In both cases every survivor's pending op fails with an
+error that says why, instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .jobs import run_failing_job, run_job
+
+# How long a survivor keeps trying before it gives up and reports that nothing failed.
+GIVE_UP_S = 40.0
+
+
+def _killed_peer_worker() -> dict[str, Any]:
+    import os
+    import signal
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    hvd.allreduce(torch.ones(2), name="first")
+    if rank == size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    step = 0
+    while time.monotonic() - start < GIVE_UP_S:
+        try:
+            hvd.allreduce(torch.ones(2), name=f"step.{step}")
+        except hvd.HoraInternalError as exc:
+            return {"message": str(exc), "elapsed_s": time.monotonic() - start}
+        step += 1
+    return {"message": None, "elapsed_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 3])
+def test_killed_peer_fails_every_survivor_naming_the_lost_rank(np: int) -> None:
+    lost = np - 1
+    error = run_failing_job(_killed_peer_worker, np, timeout_s=60)
+
+    assert set(error.errors) == {lost}, error.errors
+    assert "SIGKILL" in error.errors[lost]
+    assert sorted(error.results) == list(range(lost))
+    for rank, observed in error.results.items():
+        assert observed["message"] is not None, f"rank {rank} never saw an error"
+        assert f"rank {lost}" in observed["message"], observed["message"]
+        assert observed["elapsed_s"] < 15, observed
+
+
+STALL_ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+
+
+def _stalled_worker() -> dict[str, Any]:
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    # Rank 1 never submits "x"; it waits on "y", which nobody else submits.
+    name = "y" if rank == 1 else "x"
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2), name=name)
+    except hvd.HoraInternalError as exc:
+        return {"message": str(exc), "elapsed_s": time.monotonic() - start}
+    return {"message": None, "elapsed_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 3])
+def test_stall_inspector_shuts_a_stalled_job_down(np: int) -> None:
+    ranks = run_job(_stalled_worker, np, env=STALL_ENV, timeout_s=60)
+
+    for rank, observed in enumerate(ranks):
+        assert observed["message"] is not None, f"rank {rank}'s op completed"
+        assert observed["elapsed_s"] < 20, observed
+        assert "shut down" in observed["message"], observed["message"]
+        # Every rank learns why: the inspector's report travels with the shutdown.
+        assert "stalled for longer than 3 seconds" in observed["message"]
+        assert "1!: [allreduce.x]" in observed["message"]

@@ -1,0 +1,68 @@
+"""``hvd.join`` on real processes: rank 0 runs out of data first; the others' allreduces still
+complete with rank 0 contributing zeros, and every rank learns the same last-joined rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from .jobs import run_job
+from .references import assert_same, expected_allreduce, rank_input
+
+STEPS = 5
+RANK0_STEPS = 2
+SHAPE = (3, 2)
+
+
+def _steps(rank: int) -> int:
+    return RANK0_STEPS if rank == 0 else STEPS
+
+
+def _join_worker() -> dict[str, Any]:
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    out: dict[str, Any] = {}
+    for step in range(_steps(rank)):
+        for op in ("Average", "Sum"):
+            name = f"join.{op}.{step}"
+            out[name] = hvd.allreduce(
+                rank_input(rank, name, SHAPE, torch.float64), name=name, op=getattr(hvd, op)
+            )
+    # Stagger the ranks that finish together, so the last to join is the highest rank.
+    if rank > 0:
+        time.sleep(0.5 * rank)
+    out["last_joined"] = hvd.join()
+    out["after_join"] = hvd.allreduce(torch.full((2,), rank + 1.0), op=hvd.Sum, name="after")
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_joined_rank_contributes_zeros_and_join_agrees_on_last_rank(np: int) -> None:
+    ranks = run_job(_join_worker, np)
+
+    for step in range(STEPS):
+        for op in ("Average", "Sum"):
+            name = f"join.{op}.{step}"
+            contributors = [r for r in range(np) if step < _steps(r)]
+            inputs = [rank_input(r, name, SHAPE, torch.float64) for r in contributors]
+            # Average still divides by the full job size while rank 0 has joined.
+            expected = expected_allreduce(inputs, op, size=np)
+            for rank in contributors:
+                assert_same(ranks[rank][name], expected, f"rank {rank} {name}")
+            if step >= RANK0_STEPS:
+                assert name not in ranks[0]
+
+    assert [observed["last_joined"] for observed in ranks] == [np - 1] * np
+    for observed in ranks:
+        assert_same(observed["after_join"], torch.full((2,), float(sum(range(1, np + 1)))))

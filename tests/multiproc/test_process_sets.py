@@ -1,0 +1,176 @@
+"""Process sets on real processes: static sets from ``hvd.init``, dynamic ones added and removed
+later, collectives restricted to members, and errors for ranks outside a set.
+
+The static set holds every rank but the last (``[0]`` at np=2, ``[0, 1]`` at np=3); the dynamic
+set holds every rank but the first, so its global root rank differs from its rank in the set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from .jobs import assert_raised, error_of, run_job
+from .references import all_inputs, assert_same, expected_allreduce, rank_input
+
+
+def _set_ops(
+    hvd: Any, rank: int, process_set: Any, prefix: str, root: int, outsider: int
+) -> dict[str, Any]:
+    """Run collectives inside ``process_set`` (the caller is a member)."""
+    x = rank_input(rank, f"{prefix}.x", (4,))
+    return {
+        "sum": hvd.allreduce(x, op=hvd.Sum, name=f"{prefix}.sum", process_set=process_set),
+        "average": hvd.allreduce(x, name=f"{prefix}.average", process_set=process_set),
+        "allgather": hvd.allgather(
+            x.reshape(2, 2), name=f"{prefix}.allgather", process_set=process_set
+        ),
+        "broadcast": hvd.broadcast(
+            x, root_rank=root, name=f"{prefix}.broadcast", process_set=process_set
+        ),
+        "outside_root": error_of(
+            lambda: hvd.broadcast(
+                x, root_rank=outsider, name=f"{prefix}.outside_root", process_set=process_set
+            )
+        ),
+    }
+
+
+def _describe(process_set: Any) -> dict[str, Any]:
+    return {
+        "id": process_set.process_set_id,
+        "size": process_set.size(),
+        "rank": process_set.rank(),
+        "included": process_set.included(),
+    }
+
+
+def _process_sets_worker(size: int) -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    static = hvd.ProcessSet(range(size - 1))
+    hvd.init(process_sets=[static])
+    rank = hvd.rank()
+    x = torch.ones(4)
+    out: dict[str, Any] = {"static": _describe(static)}
+    if static.included():
+        out["static_ops"] = _set_ops(hvd, rank, static, "static", root=size - 2, outsider=size - 1)
+    else:
+        out["static_outsider"] = error_of(lambda: hvd.allreduce(x, process_set=static))
+    out["global_sum"] = hvd.allreduce(rank_input(rank, "global"), op=hvd.Sum, name="global")
+
+    # Dynamic: needs HORA_DYNAMIC_PROCESS_SETS=1; every rank adds and removes in the same order.
+    dynamic = hvd.add_process_set(hvd.ProcessSet(range(1, size)))
+    out["dynamic"] = _describe(dynamic)
+    if dynamic.included():
+        out["dynamic_ops"] = _set_ops(hvd, rank, dynamic, "dynamic", root=size - 1, outsider=0)
+    else:
+        out["dynamic_outsider"] = error_of(lambda: hvd.allreduce(x, process_set=dynamic))
+    out["duplicate_add"] = error_of(lambda: hvd.add_process_set(hvd.ProcessSet(range(1, size))))
+    out["removed"] = hvd.remove_process_set(dynamic)
+    out["removed_again"] = hvd.remove_process_set(dynamic)
+    out["after_remove"] = error_of(lambda: hvd.allreduce(x, process_set=dynamic))
+    out["remove_global"] = error_of(lambda: hvd.remove_process_set(hvd.global_process_set))
+    out["global_after_remove"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after")
+
+    # Horovod's add_process_set also takes a plain list of ranks.
+    by_ranks = error_of(lambda: out.update(by_ranks_set=hvd.add_process_set([size - 1])))
+    out["add_by_ranks"] = by_ranks
+    if by_ranks is None:
+        members = out.pop("by_ranks_set")
+        out["by_ranks"] = _describe(members)
+        if members.included():
+            out["by_ranks_sum"] = hvd.allreduce(
+                torch.ones(1), op=hvd.Sum, process_set=members, name="by_ranks"
+            )
+        hvd.remove_process_set(members)
+    hvd.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+def job(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    np = request.param
+    return np, run_job(_process_sets_worker, np, np, env={"HORA_DYNAMIC_PROCESS_SETS": "1"})
+
+
+def _check_set_ops(
+    np: int, ranks: list[dict[str, Any]], key: str, members: list[int], root: int
+) -> None:
+    prefix = key.removesuffix("_ops")
+    inputs = [rank_input(r, f"{prefix}.x", (4,)) for r in members]
+    for rank in members:
+        ops = ranks[rank][key]
+        assert_same(ops["sum"], expected_allreduce(inputs, "Sum"), f"rank {rank} sum")
+        # Average divides by the size of the set, not of the job.
+        assert_same(ops["average"], expected_allreduce(inputs, "Average"), f"rank {rank} avg")
+        assert_same(ops["allgather"], torch.cat([t.reshape(2, 2) for t in inputs]))
+        assert_same(ops["broadcast"], rank_input(root, f"{prefix}.x", (4,)))
+        assert_raised(ops["outside_root"], RuntimeError, "is not a member of process set")
+    for rank in range(np):
+        if rank not in members:
+            assert key not in ranks[rank]
+
+
+@pytest.mark.timeout(120)
+def test_static_set_runs_collectives_among_its_members(job: Any) -> None:
+    np, ranks = job
+    members = list(range(np - 1))
+    for rank, observed in enumerate(ranks):
+        assert observed["static"] == {
+            "id": 1,
+            "size": np - 1,
+            "rank": rank if rank in members else -1,
+            "included": rank in members,
+        }
+    _check_set_ops(np, ranks, "static_ops", members, root=members[-1])
+
+
+@pytest.mark.timeout(120)
+def test_non_member_gets_value_error_naming_its_rank(job: Any) -> None:
+    np, ranks = job
+    assert_raised(ranks[np - 1]["static_outsider"], ValueError, f"Rank {np - 1} is not a member")
+    assert_raised(ranks[0]["dynamic_outsider"], ValueError, "Rank 0 is not a member")
+
+
+@pytest.mark.timeout(120)
+def test_global_set_still_works_alongside_sets(job: Any) -> None:
+    np, ranks = job
+    for observed in ranks:
+        assert_same(observed["global_sum"], expected_allreduce(all_inputs(np, "global"), "Sum"))
+        assert_same(observed["global_after_remove"], torch.full((2,), float(np)))
+
+
+@pytest.mark.timeout(120)
+def test_dynamic_set_takes_a_global_root_rank(job: Any) -> None:
+    np, ranks = job
+    members = list(range(1, np))
+    for rank, observed in enumerate(ranks):
+        assert observed["dynamic"]["size"] == np - 1
+        assert observed["dynamic"]["rank"] == (rank - 1 if rank else -1)
+    _check_set_ops(np, ranks, "dynamic_ops", members, root=np - 1)
+
+
+@pytest.mark.timeout(120)
+def test_dynamic_set_add_and_remove(job: Any) -> None:
+    _, ranks = job
+    for observed in ranks:
+        assert_raised(observed["duplicate_add"], ValueError, "duplicate process set")
+        assert observed["removed"] is True
+        assert observed["removed_again"] is False
+        assert_raised(observed["after_remove"], ValueError, "not registered")
+        assert_raised(observed["remove_global"], ValueError, "global process set")
+
+
+@pytest.mark.timeout(120)
+def test_add_process_set_accepts_a_list_of_ranks(job: Any) -> None:
+    np, ranks = job
+    for rank, observed in enumerate(ranks):
+        assert observed["add_by_ranks"] is None, observed["add_by_ranks"]
+        assert observed["by_ranks"]["size"] == 1
+        if rank == np - 1:
+            assert_same(observed["by_ranks_sum"], torch.ones(1))
