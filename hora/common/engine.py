@@ -198,7 +198,7 @@ class Engine:
         self._park_after = max(
             2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(settings.cycle_time_ms, 0.1))
         )
-        self._last_cycle_start = 0.0
+        self._last_cycle_end = 0.0
         self._thread: threading.Thread | None = None
         self._watcher: _Watcher | None = None
         self._control = self._connect("control", 0, self.rank, self.size)
@@ -221,7 +221,6 @@ class Engine:
 
     def start(self) -> None:
         self._running = True
-        self._last_cycle_start = time.monotonic()
         if self.size > 1:
             self._watcher = _Watcher(self, self._store.reconnect())
             self._watcher.start()
@@ -329,6 +328,7 @@ class Engine:
         had_news = any(reqs for reqs, _ in contributions) or bool(responses)
         self._idle_cycles = 0 if had_news else self._idle_cycles + 1
         self._execute(responses)
+        self._last_cycle_end = time.monotonic()
         if shutdown_reason is not None:
             self._finish(shut_down_message(shutdown_reason))
             return False
@@ -348,14 +348,15 @@ class Engine:
         if self.size > 1 and self._idle_cycles >= self._park_after:
             self._park()
             return
-        deadline = self._last_cycle_start + self.settings.cycle_time_ms / 1000
+        # Counted from the end of the last cycle: after a long cycle, the user thread gets a
+        # cycle time to submit its next request before an idle exchange goes out without it.
+        deadline = self._last_cycle_end + self.settings.cycle_time_ms / 1000
         with self._wakeup:
             while not self._queue and self._shutdown_reason is None:
                 remaining = deadline - time.monotonic()
                 if self.size > 1 and remaining <= 0:
                     break
                 self._wakeup.wait(timeout=remaining if self.size > 1 else None)
-        self._last_cycle_start = time.monotonic()
 
     def _park(self) -> None:
         """Sleep until this rank has work, another rank rings, or a check is due."""
@@ -386,7 +387,8 @@ class Engine:
         if ring:
             self._store.set_signed(wake_key, b"")
         self._idle_cycles = 0
-        self._last_cycle_start = time.monotonic()
+        # Whoever rang has work: go at once.
+        self._last_cycle_end = 0.0
 
     def _failure_seen(self) -> bool:
         return self._watcher is not None and self._watcher.failure is not None

@@ -71,12 +71,29 @@ class ResponseCache:
             raise ValueError(f"rank {rank} sent response-cache bit {bit}, which is not in use")
         return self._entries[name][1][rank]
 
+    def cached(self, name: str, requests: dict[int, Request]) -> dict[int, Request] | None:
+        """The cached per-rank requests when ``requests`` are exactly those (all cache hits).
+
+        Such a response was validated when it entered the cache, so it need not be again.
+        """
+        entry = self._entries.get(name)
+        if entry is None:
+            return None
+        per_rank = entry[1]
+        if len(per_rank) != len(requests):
+            return None
+        for rank, request in per_rank.items():
+            if requests.get(rank) is not request:
+                return None
+        return per_rank
+
     def put(self, name: str, per_rank: dict[int, Request]) -> None:
         if self.capacity <= 0:
             return
         entry = self._entries.get(name)
         if entry is not None:
-            self._entries[name] = (entry[0], dict(per_rank))
+            if entry[1] is not per_rank:
+                self._entries[name] = (entry[0], dict(per_rank))
             self._entries.move_to_end(name)
             return
         if len(self._entries) < self.capacity:
@@ -164,10 +181,10 @@ class MessageTable:
                 if members is None:
                     continue
                 for member in members:
-                    responses.append(self._respond(member, self.pending[member].requests))
+                    responses.append(self._respond(member, self.pending[member].requests, cache))
                     decided.add(member)
             else:
-                responses.append(self._respond(name, entry.requests))
+                responses.append(self._respond(name, entry.requests, cache))
                 decided.add(name)
         for name in decided:
             del self.pending[name]
@@ -204,7 +221,16 @@ class MessageTable:
             )
             self.joined.clear()
 
-    def _respond(self, name: str, requests: dict[int, Request]) -> Response:
+    def _respond(self, name: str, requests: dict[int, Request], cache: ResponseCache) -> Response:
+        cached = None if self.joined else cache.cached(name, requests)
+        if cached is not None:
+            template = next(iter(cached.values()))
+            return Response(
+                kind=template.kind,
+                names=[name],
+                requests=[cached],
+                process_set_id=template.process_set_id,
+            )
         template = requests[min(requests)]
         ps_id = template.process_set_id
         error = validate(name, requests, self.process_sets, self.joined)

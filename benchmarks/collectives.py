@@ -1,0 +1,470 @@
+"""hora against raw ``torch.distributed`` (Gloo), side by side in one job.
+
+Run it with ``./dev bench`` or::
+
+    .venv/bin/horarun -np 2 .venv/bin/python benchmarks/collectives.py [--json results.json]
+
+or let it start the job itself (through ``horarun``, 2 workers unless ``--np`` says otherwise)::
+
+    .venv/bin/python benchmarks/collectives.py [--np N] [--json results.json]
+
+Every worker runs hora (``hvd.init()``) and, next to it, torch.distributed's default process
+group on Gloo, rendezvousing through the job's store under its own key prefix. Both then run the
+same collectives on the same tensors:
+
+1. allreduce bus bandwidth, 1 to 64 MiB of float32 (goal: hora >= 0.95x raw);
+2. 300 allreduces of 1 KiB: hora submits them all and lets fusion batch them, raw runs them one
+   by one (goal: hora >= 5x faster);
+3. latency of one small allreduce (1 float32, 1 KiB) (goal: hora <= raw + one cycle time).
+
+Calls are timed one by one, back to back, in blocks that start with a barrier; hora and raw
+blocks alternate (ABBA) so that changes in the machine's load hit both alike. A call's time is
+that of the slowest rank, and the table shows medians. Rank 0 prints the table; ``--json PATH``
+also writes every sample there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as _dist
+
+import hora
+import hora.torch as hvd
+from hora.common.config import Settings
+
+MIB = 1024 * 1024
+KIB = 1024
+# Allreduce sizes in bytes, and how many times each is timed (per library).
+BANDWIDTH_REPS = {1 * MIB: 60, 4 * MIB: 40, 16 * MIB: 24, 64 * MIB: 12}
+BANDWIDTH_GOAL = 0.95
+FUSION_TENSORS = 300
+FUSION_ELEMENTS = 256  # 1 KiB of float32
+FUSION_GOAL = 5.0
+LATENCY_SIZES = (4, 1 * KIB)  # bytes: 1 float32, 1 KiB
+RAW_PREFIX = "raw-bench/"
+
+# torch.distributed's stubs omit the stores (as in hora.common.transport.gloo).
+dist: Any = _dist
+
+Op = Callable[[], object]
+
+
+# ---------------------------------------------------------------- launching
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--np", type=int, default=2, help="workers to start when not run under horarun"
+    )
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
+    parser.add_argument(
+        "--repeats",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="scale every repetition count (e.g. 0.2 for a quick check)",
+    )
+    return parser.parse_args(argv)
+
+
+def relaunch(args: argparse.Namespace) -> int:
+    """Start this script on ``args.np`` workers through horarun and return its exit status."""
+    import subprocess
+
+    forwarded = ["--repeats", str(args.repeats)]
+    if args.json:
+        forwarded += ["--json", os.path.abspath(args.json)]
+    command = [sys.executable, "-m", "hora.runner.launch", "-np", str(args.np)]
+    command += [sys.executable, os.path.abspath(__file__), *forwarded]
+    return subprocess.call(command)
+
+
+def init_raw_group(rank: int, size: int) -> None:
+    """torch.distributed's default group on Gloo, rendezvousing in the job's store."""
+    addr = os.environ["HORA_RENDEZVOUS_ADDR"]
+    port = int(os.environ["HORA_RENDEZVOUS_PORT"])
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(RAW_PREFIX, store),
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+    )
+
+
+# ---------------------------------------------------------------- timing
+
+
+def slowest_rank(times: list[float]) -> list[float]:
+    """Per repetition, the longest time any rank measured."""
+    tensor = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def run_block(op: Op, reps: int) -> list[float]:
+    """Time ``reps`` back-to-back calls of ``op`` on this rank, after a barrier and a lead-in.
+
+    The barrier lines the ranks up; one untimed call absorbs the skew with which ranks leave it
+    (hundreds of microseconds here) and, for hora, wakes a parked engine. The timed calls then
+    follow each other as they would in a training loop.
+    """
+    dist.barrier()
+    op()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Times hora and raw ops against each other in alternating blocks.
+
+    Blocks run in the order hora, raw, raw, hora, ... so that drift in the machine's load falls on
+    both alike. Before a raw block hora's engine gets ``settle_s`` to park, so that its idle cycles
+    do not compete with the raw group for the CPU.
+    """
+
+    settle_s: float
+
+    def run(
+        self, hora_op: Op, raw_op: Op, reps: int, warmup: int, block: int
+    ) -> tuple[list[float], list[float]]:
+        """Time each op ``reps`` times, in blocks of ``block``, after ``warmup`` untimed calls.
+
+        Returns:
+            (hora times, raw times) in seconds; each is the slowest rank's time for that call.
+        """
+        for _ in range(warmup):
+            dist.barrier()
+            hora_op()
+            dist.barrier()
+            raw_op()
+        hora_times: list[float] = []
+        raw_times: list[float] = []
+        for op in itertools.cycle((hora_op, raw_op, raw_op, hora_op)):
+            times = hora_times if op is hora_op else raw_times
+            count = min(block, reps - len(times))
+            if count > 0:
+                if op is raw_op:
+                    time.sleep(self.settle_s)
+                times.extend(run_block(op, count))
+            if len(hora_times) == len(raw_times) == reps:
+                break
+        return slowest_rank(hora_times), slowest_rank(raw_times)
+
+
+def scaled(count: int, factor: float) -> int:
+    return max(3, round(count * factor))
+
+
+def check_results(size: int) -> None:
+    """Both libraries sum correctly (once, before timing)."""
+    expected = float(size * (size + 1) // 2)
+    mine = torch.full((FUSION_ELEMENTS,), float(dist.get_rank() + 1))
+    raw = mine.clone()
+    dist.all_reduce(raw)
+    fused = [mine.clone() for _ in range(4)]
+    handles = [hvd.allreduce_async_(t, name=f"check.{i}", op=hvd.Sum) for i, t in enumerate(fused)]
+    for handle in handles:
+        hvd.synchronize(handle)
+    single = hvd.allreduce_(mine.clone(), op=hvd.Sum, name="check.single")
+    for result in (raw, single, *fused):
+        if not torch.equal(result, torch.full_like(result, expected)):
+            raise RuntimeError(f"wrong allreduce result: {result[:4].tolist()} != {expected}")
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def hora_allreduce(tensor: torch.Tensor, name: str) -> Op:
+    return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+
+
+def raw_allreduce(tensor: torch.Tensor) -> Op:
+    return lambda: dist.all_reduce(tensor)
+
+
+def bench_bandwidth(timer: Comparison, factor: float) -> list[dict[str, Any]]:
+    """One large in-place float32 allreduce at a time; bus bandwidth per size."""
+    size = dist.get_world_size()
+    rows = []
+    for nbytes, base_reps in BANDWIDTH_REPS.items():
+        # Zeros stay zeros however often they are summed: no overflow, no denormals.
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
+        name = f"bandwidth.{nbytes}"
+        hora_times, raw_times = timer.run(
+            hora_allreduce(tensor, name),
+            raw_allreduce(tensor),
+            scaled(base_reps, factor),
+            warmup=3,
+            block=5,
+        )
+        hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
+        bus_bytes = 2 * (size - 1) / size * nbytes
+        ratio = raw_s / hora_s
+        rows.append(
+            {
+                "bytes": nbytes,
+                "hora_s": hora_s,
+                "raw_s": raw_s,
+                "hora_busbw_GBps": bus_bytes / hora_s / 1e9,
+                "raw_busbw_GBps": bus_bytes / raw_s / 1e9,
+                "ratio": ratio,
+                "goal": f"hora/raw bus bandwidth >= {BANDWIDTH_GOAL}",
+                "pass": ratio >= BANDWIDTH_GOAL,
+                "hora_samples_s": hora_times,
+                "raw_samples_s": raw_times,
+            }
+        )
+    return rows
+
+
+def bench_fusion(timer: Comparison, factor: float) -> dict[str, Any]:
+    """Many small allreduces: hora submits them all at once, raw runs them one by one."""
+    tensors = [torch.zeros(FUSION_ELEMENTS, dtype=torch.float32) for _ in range(FUSION_TENSORS)]
+    names = [f"t{i}" for i in range(FUSION_TENSORS)]
+    submit_times: list[float] = []
+
+    def hora_batch() -> None:
+        start = time.perf_counter()
+        handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(tensors, names)]
+        submit_times.append(time.perf_counter() - start)
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    def raw_batch() -> None:
+        for t in tensors:
+            dist.all_reduce(t)
+
+    warmup = 3
+    hora_times, raw_times = timer.run(
+        hora_batch, raw_batch, scaled(30, factor), warmup=warmup, block=5
+    )
+    hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
+    speedup = raw_s / hora_s
+    return {
+        "tensors": FUSION_TENSORS,
+        "tensor_bytes": FUSION_ELEMENTS * 4,
+        "hora_s": hora_s,
+        "raw_s": raw_s,
+        "hora_submit_s": statistics.median(submit_times[warmup:]),
+        "speedup": speedup,
+        "goal": f"raw/hora time >= {FUSION_GOAL}",
+        "pass": speedup >= FUSION_GOAL,
+        "hora_samples_s": hora_times,
+        "raw_samples_s": raw_times,
+    }
+
+
+def bench_latency(timer: Comparison, factor: float, cycle_time_ms: float) -> list[dict[str, Any]]:
+    """One small synchronous allreduce at a time."""
+    rows = []
+    for nbytes in LATENCY_SIZES:
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
+        name = f"latency.{nbytes}"
+        hora_times, raw_times = timer.run(
+            hora_allreduce(tensor, name),
+            raw_allreduce(tensor),
+            scaled(200, factor),
+            warmup=20,
+            block=20,
+        )
+        hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
+        extra_us = (hora_s - raw_s) * 1e6
+        rows.append(
+            {
+                "bytes": nbytes,
+                "hora_s": hora_s,
+                "raw_s": raw_s,
+                "extra_us": extra_us,
+                "goal": f"hora - raw <= cycle time ({cycle_time_ms:g} ms)",
+                "pass": extra_us <= cycle_time_ms * 1000,
+                "hora_samples_s": hora_times,
+                "raw_samples_s": raw_times,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def source_revision() -> str | None:
+    """The git commit of the hora checkout being measured (``None`` outside a git checkout)."""
+    import subprocess
+
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=os.path.dirname(os.path.abspath(hora.__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return None
+    return described.stdout.strip() or None
+
+
+def size_label(nbytes: int) -> str:
+    if nbytes >= MIB:
+        return f"{nbytes // MIB} MiB"
+    if nbytes >= KIB:
+        return f"{nbytes // KIB} KiB"
+    return f"{nbytes} B"
+
+
+def duration(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+def format_table(results: dict[str, Any]) -> str:
+    header = ("benchmark", "hora", "raw gloo", "hora vs raw", "goal", "result")
+    rows: list[tuple[str, ...]] = []
+    for row in results["allreduce_bandwidth"]:
+        rows.append(
+            (
+                f"allreduce {size_label(row['bytes'])} busbw",
+                f"{row['hora_busbw_GBps']:.2f} GB/s",
+                f"{row['raw_busbw_GBps']:.2f} GB/s",
+                f"{row['ratio']:.3f}x",
+                f">= {BANDWIDTH_GOAL}x",
+                verdict(row["pass"]),
+            )
+        )
+    fusion = results["fusion"]
+    rows.append(
+        (
+            f"{fusion['tensors']} x {size_label(fusion['tensor_bytes'])} allreduce",
+            duration(fusion["hora_s"]),
+            duration(fusion["raw_s"]),
+            f"{fusion['speedup']:.1f}x faster",
+            f">= {FUSION_GOAL:g}x faster",
+            verdict(fusion["pass"]),
+        )
+    )
+    cycle_us = results["cycle_time_ms"] * 1000
+    for row in results["latency"]:
+        rows.append(
+            (
+                f"latency {size_label(row['bytes'])}",
+                duration(row["hora_s"]),
+                duration(row["raw_s"]),
+                f"{row['extra_us']:+.0f} us",
+                f"<= +{cycle_us:.0f} us",
+                verdict(row["pass"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join([first, *rest])
+
+    rule = "-" * len(line(header))
+    title = (
+        f"hora {results['hora_version']} ({results['hora_revision']}) vs torch.distributed gloo "
+        f"(torch {results['torch_version']}), {results['world_size']} ranks, "
+        f"cycle time {results['cycle_time_ms']:g} ms; medians, slowest rank"
+    )
+    notes = (
+        f"hora submit time for the {fusion['tensors']} async calls: "
+        f"{duration(fusion['hora_submit_s'])} (median)\n"
+        f"run time {results['elapsed_s']:.1f} s on {results['cpus']} CPUs; load average "
+        f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after"
+    )
+    passed = sum(r["pass"] for r in results["goals"])
+    summary = f"goals met: {passed}/{len(results['goals'])}"
+    return "\n".join([title, rule, line(header), rule, *map(line, rows), rule, notes, summary])
+
+
+def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
+    items = [
+        {"name": f"allreduce {size_label(r['bytes'])} bus bandwidth", "pass": r["pass"]}
+        for r in results["allreduce_bandwidth"]
+    ]
+    items.append({"name": "fusion of 300 small allreduces", "pass": results["fusion"]["pass"]})
+    items += [
+        {"name": f"latency {size_label(r['bytes'])}", "pass": r["pass"]} for r in results["latency"]
+    ]
+    return items
+
+
+# ---------------------------------------------------------------- main
+
+
+def worker(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    init_raw_group(rank, size)
+    cycle_time_ms = Settings.from_env().cycle_time_ms
+    check_results(size)
+    # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
+    timer = Comparison(settle_s=max(0.05, 10 * cycle_time_ms / 1000))
+    results: dict[str, Any] = {
+        "hora_version": hora.__version__,
+        "hora_revision": source_revision() if rank == 0 else None,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "world_size": size,
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "cycle_time_ms": cycle_time_ms,
+        "allreduce_bandwidth": bench_bandwidth(timer, args.repeats),
+        "fusion": bench_fusion(timer, args.repeats),
+        "latency": bench_latency(timer, args.repeats, cycle_time_ms),
+    }
+    dist.barrier()
+    results["elapsed_s"] = time.perf_counter() - started
+    results["load_after"] = os.getloadavg()
+    results["goals"] = goals(results)
+    if rank == 0:
+        print(format_table(results), flush=True)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(results, out, indent=2)
+                out.write("\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
+def main() -> int:
+    args = parse_args()
+    if "HORA_RANK" not in os.environ:
+        return relaunch(args)
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
