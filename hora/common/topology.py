@@ -114,6 +114,27 @@ def _from_hora(env: Mapping[str, str]) -> Topology | None:
     )
 
 
+# Variables other launchers set, with the world size they imply. hora reads its own (and
+# Horovod's) variables; a job started by one of these with several processes would otherwise
+# silently run as several jobs of one.
+_FOREIGN_SIZES = (
+    ("torchrun", "WORLD_SIZE"),
+    ("Open MPI's mpirun", "OMPI_COMM_WORLD_SIZE"),
+    ("MPICH/Intel MPI", "PMI_SIZE"),
+    ("SLURM's srun", "SLURM_NTASKS"),
+)
+
+
+def _foreign_launcher(env: Mapping[str, str]) -> str | None:
+    for launcher, variable in _FOREIGN_SIZES:
+        raw = env.get(variable, "")
+        if raw.isdigit() and int(raw) > 1:
+            if variable == "SLURM_NTASKS" and "SLURM_STEP_ID" not in env:
+                continue  # inside an allocation but not started by srun
+            return f"{launcher} ({variable}={raw})"
+    return None
+
+
 def detect(env: Mapping[str, str] | None = None) -> Topology:
     """Work out this process's topology from the environment.
 
@@ -124,6 +145,15 @@ def detect(env: Mapping[str, str] | None = None) -> Topology:
         TopologyError: the variables are inconsistent.
     """
     source = os.environ if env is None else env
-    topology = _from_hora(source) or Topology(hostname=socket.gethostname())
+    topology = _from_hora(source)
+    if topology is None:
+        foreign = _foreign_launcher(source)
+        if foreign is not None:
+            raise TopologyError(
+                f"this process was started by {foreign}, whose variables this version of hora "
+                "does not read yet; without them every process would run alone. Launch the "
+                "job with `horarun -np N python script.py` instead."
+            )
+        topology = Topology(hostname=socket.gethostname())
     topology.validate()
     return topology

@@ -37,3 +37,46 @@ def test_booleans_parse_like_horovod() -> None:
 def test_bad_values_are_named(env: dict[str, str], match: str) -> None:
     with pytest.raises(SettingError, match=match):
         Settings.from_env(env)
+
+
+def test_topology_from_horarun_variables() -> None:
+    from hora.common.topology import detect
+
+    env = {
+        "HORA_RANK": "1",
+        "HORA_SIZE": "3",
+        "HORA_LOCAL_RANK": "1",
+        "HORA_LOCAL_SIZE": "3",
+        "HORA_RENDEZVOUS_ADDR": "127.0.0.1",
+        "HORA_RENDEZVOUS_PORT": "1234",
+    }
+    topology = detect(env)
+    assert (topology.rank, topology.size, topology.local_size, topology.all_local) == (
+        1,
+        3,
+        3,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"HORA_RANK": "3", "HORA_SIZE": "2", "HORA_RENDEZVOUS_ADDR": "x"}, "rank 3 is outside"),
+        ({"HORA_RANK": "0", "HORA_SIZE": "2"}, "needs a rendezvous address"),
+        ({"HORA_RANK": "zero", "HORA_SIZE": "2"}, "must be an integer"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "started by torchrun"),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI"),
+    ],
+)
+def test_bad_or_foreign_topology_is_explained(env: dict[str, str], match: str) -> None:
+    from hora.common.topology import TopologyError, detect
+
+    with pytest.raises(TopologyError, match=match):
+        detect(env)
+
+
+def test_single_process_without_any_launcher() -> None:
+    from hora.common.topology import detect
+
+    assert detect({"SLURM_NTASKS": "4"}).size == 1  # an allocation, not an srun step
