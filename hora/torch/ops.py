@@ -90,17 +90,42 @@ def _resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
         ) from None
 
 
-def _check_reduction(op: ReduceOp, dtype: str, kind: RequestType, process_set_id: int) -> None:
-    if op == ReduceOp.ADASUM:
+def _submit_reduction(
+    kind: RequestType,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    name: str | None,
+    reduce_op: ReduceOp,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+    grouped: bool,
+) -> Handle:
+    """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
+    if reduce_op == ReduceOp.ADASUM:
         raise NotImplementedError(
             "Adasum is not implemented in hora (Horovod runs it only over MPI). Use op=hvd.Average."
         )
-    if dtype == "bool" and op == ReduceOp.AVERAGE:
+    if reduce_op == ReduceOp.AVERAGE and any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors
+    ):
         raise ValueError(
             f"{_op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
             "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
         )
-    del process_set_id
+    prefix = kind.name.lower()
+    return _submit(
+        kind,
+        f"grouped_{prefix}" if grouped else prefix,
+        tensors,
+        outputs,
+        name,
+        process_set,
+        grouped=grouped,
+        reduce_op=reduce_op,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
 
 def _full_name(prefix: str, name: str | None, handle: Handle) -> str:
@@ -163,21 +188,17 @@ def _allreduce_submit(
     process_set: ProcessSet,
     grouped: bool,
 ) -> Handle:
-    prefix = "grouped_allreduce" if grouped else "allreduce"
     reduce_op = _resolve_op(op, average, RequestType.ALLREDUCE)
-    for tensor in tensors:
-        _check_reduction(reduce_op, dtype_name(tensor.dtype) or "", RequestType.ALLREDUCE, 0)
-    return _submit(
+    return _submit_reduction(
         RequestType.ALLREDUCE,
-        prefix,
         tensors,
         outputs,
         name,
+        reduce_op,
         process_set,
-        grouped=grouped,
-        reduce_op=reduce_op,
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
+        prescale_factor,
+        postscale_factor,
+        grouped,
     )
 
 
@@ -740,22 +761,18 @@ def _reducescatter_submit(
     reduce_op = _resolve_op(op, None, RequestType.REDUCESCATTER)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
-            raise ValueError("Reducescatter needs a tensor with at least one dimension.")
-        _check_reduction(reduce_op, dtype_name(tensor.dtype) or "", RequestType.REDUCESCATTER, 0)
-    prefix = "grouped_reducescatter" if grouped else "reducescatter"
-    return _submit(
+    if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
+        raise ValueError("Reducescatter needs a tensor with at least one dimension.")
+    return _submit_reduction(
         RequestType.REDUCESCATTER,
-        prefix,
         tensors,
         [None] * len(tensors),
         name,
+        reduce_op,
         process_set,
-        grouped=grouped,
-        reduce_op=reduce_op,
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
+        prescale_factor,
+        postscale_factor,
+        grouped,
     )
 
 
