@@ -465,6 +465,11 @@ class Engine:
     # ----------------------------------------------------------------- execution
 
     def _execute(self, responses: list[Response]) -> None:
+        # Results are written into the caller's tensors (parameters among them) outside autograd.
+        with torch.no_grad():
+            self._execute_batches(responses)
+
+    def _execute_batches(self, responses: list[Response]) -> None:
         for batch in fusion.plan(
             responses, self.settings.fusion_threshold_bytes, self.settings.disable_group_fusion
         ):

@@ -33,7 +33,12 @@ from hora.common.basics import unregister_process_set as remove_process_set
 from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 from hora.common.process_sets import ProcessSet
 from hora.torch.compression import Compression
-from hora.torch.functions import allgather_object, broadcast_object
+from hora.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from hora.torch.ops import (
     Adasum,
     Average,
@@ -71,6 +76,7 @@ from hora.torch.ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from hora.torch.optimizer import DistributedOptimizer
 
 
 def init(comm=None, process_sets=None):  # noqa: ANN001, ANN201 - Horovod's signature
@@ -88,6 +94,9 @@ def shutdown():  # noqa: ANN201
 init.__doc__ = _init.__doc__
 
 __all__ = [
+    "DistributedOptimizer",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "Adasum",
     "Average",
     "Compression",

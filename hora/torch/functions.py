@@ -85,3 +85,109 @@ def allgather_object(
         objects.append(cloudpickle.loads(blob))
         offset += size
     return objects
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Copy parameters (or any tensors) from ``root_rank`` to every rank, in place.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()``, or a list of tensors.
+        root_rank: the rank whose values everyone takes.
+
+    Example:
+        >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    handles = []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"invalid params of type: {type(tensor)} (entry {name!r})")
+        label = None if name is None else f"broadcast_parameters.{name}"
+        handles.append(ops.broadcast_async_(tensor.data, root_rank, name=label))
+    for handle in handles:
+        ops.synchronize(handle)
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state by one step on zero gradients, leaving weights as they
+    were (Horovod's trick, without its side effect on weights under weight decay)."""
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            saved.append((p, p.detach().clone(), p.grad))
+            if isinstance(optimizer, torch.optim.SparseAdam):
+                p.grad = torch.zeros_like(p).to_sparse()
+            else:
+                p.grad = torch.zeros_like(p)
+    base_step = (
+        optimizer.__class__.__mro__[1].step
+        if hasattr(optimizer, "_requires_update")
+        else optimizer.__class__.step
+    )
+    base_step(optimizer)
+    with torch.no_grad():
+        for p, value, grad in saved:
+            p.copy_(value)
+            p.grad = grad
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
+) -> None:
+    """Copy optimizer state and hyperparameters (``lr``, ``momentum``, ...) from ``root_rank``.
+
+    When the root has state (e.g. loaded from a checkpoint) and this rank does not, this rank
+    creates its state first (one step on zero gradients, weights restored) so every entry can be
+    overwritten. When the root's optimizer is fresh, every rank's state is emptied to match,
+    so a step counter (Adam's bias correction) starts from zero everywhere.
+
+    Example:
+        >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    """
+    del model
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    root_has_state = broadcast_object(
+        bool(optimizer.state_dict()["state"]), root_rank, name="broadcast_optimizer_state.has"
+    )
+    if not root_has_state:
+        # A fresh optimizer on the root: every rank starts from empty state, as the root does.
+        optimizer.state.clear()
+    elif not optimizer.state_dict()["state"]:
+        # The root has state (e.g. from a checkpoint): create ours so its tensors can be
+        # overwritten in place.
+        _initialize_state(optimizer)
+    state_dict = optimizer.state_dict()
+    scalars: dict[str, Any] = {}
+    handles = []
+    for param_id in sorted(state_dict["state"]):
+        for key in sorted(state_dict["state"][param_id]):
+            value = state_dict["state"][param_id][key]
+            name = f"broadcast_optimizer_state.{param_id}.{key}"
+            if isinstance(value, torch.Tensor):
+                handles.append(ops.broadcast_async_(value, root_rank, name=name))
+            else:
+                scalars[name] = value
+    options = [
+        {k: v for k, v in group.items() if k != "params"} for group in state_dict["param_groups"]
+    ]
+    for handle in handles:
+        ops.synchronize(handle)
+    scalars, options = broadcast_object(
+        (scalars, options), root_rank, name="broadcast_optimizer_state.options"
+    )
+    for param_id in state_dict["state"]:
+        for key in state_dict["state"][param_id]:
+            name = f"broadcast_optimizer_state.{param_id}.{key}"
+            if name in scalars:
+                state_dict["state"][param_id][key] = scalars[name]
+    for group, group_options in zip(state_dict["param_groups"], options):
+        group.update(group_options)
+    optimizer.load_state_dict(state_dict)

@@ -1,0 +1,389 @@
+"""``DistributedOptimizer``: averages gradients across ranks while backward is still running.
+
+A hook on every parameter submits its gradient to the engine as soon as autograd has
+accumulated it, so communication overlaps the rest of the backward pass; ``step()`` waits for
+the results, writes them into ``.grad`` and runs the wrapped optimizer. The semantics (and the
+error texts) are Horovod's. This module knows optimizers and parameters; the engine does the rest.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hora.common import basics
+from hora.common.message import ReduceOp
+from hora.common.process_sets import ProcessSet
+from hora.torch import ops
+from hora.torch.compression import Compression
+
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code."
+)
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+_ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the wrapped optimizer's class (see the factory below)."""
+
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Any,
+        compression: Any,
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: Any,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+    ) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[misc]
+        self._compression = compression
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self._delay: dict[torch.Tensor, int] = {}
+        self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._hooks: list[Any] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._requires_update: list[torch.Tensor] = []
+        self._group_of: dict[torch.Tensor, int] = {}
+        self._groups: list[list[torch.Tensor]] = []
+        self._group_ready: dict[int, set[torch.Tensor]] = {}
+        if process_set.included() and (basics.size() > 1 or _elastic()):
+            self._register_hooks(groups)
+
+    # ------------------------------------------------------------------ setup
+
+    def _register_hooks(self, groups: Any) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._requires_update = params
+        self._delay = {p: self.backward_passes_per_step for p in params}
+        self._groups = _split_groups(params, groups)
+        for index, members in enumerate(self._groups):
+            if len(members) > 1:
+                for p in members:
+                    self._group_of[p] = index
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    def _make_hook(self) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._on_gradient(p)
+
+        return hook
+
+    # ------------------------------------------------------------------ gradient flow
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            self._handles[p] = (None, None)
+            return
+        group = self._group_of.get(p)
+        if group is None:
+            self._handles[p] = self._submit(p)
+            return
+        ready = self._group_ready.setdefault(group, set())
+        ready.add(p)
+        self._handles[p] = (None, None)
+        if len(ready) == len(self._groups[group]):
+            self._submit_group(group)
+
+    def _scales(self) -> tuple[float, float]:
+        if self._op == ReduceOp.AVERAGE and self._predivide != 1.0:
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None
+        if p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _submit(self, p: torch.Tensor) -> tuple[Any, Any]:
+        assert p.grad is not None
+        name = self._parameter_names[p]
+        if p.grad.is_sparse and not self._sparse_as_dense:
+            finish = ops.sparse_allreduce_async(
+                p.grad, name=name, op=self._op, process_set=self._process_set
+            )
+            return finish, "sparse"
+        sparse = p.grad.is_sparse
+        grad = self._dense_grad(p) if sparse else p.grad
+        compressed, ctx = self._compression.compress(grad)
+        prescale, postscale = self._scales()
+        handle = ops.allreduce_async_(
+            compressed,
+            name=name,
+            op=self._op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self._process_set,
+        )
+        return handle, (ctx, compressed, sparse)
+
+    def _submit_group(self, group: int) -> None:
+        members = self._groups[group]
+        compressed = []
+        contexts = []
+        for p in members:
+            grad = self._dense_grad(p)
+            tensor, ctx = self._compression.compress(grad)
+            compressed.append(tensor)
+            contexts.append(ctx)
+        prescale, postscale = self._scales()
+        handle = ops.grouped_allreduce_async_(
+            compressed,
+            name=f"{self._parameter_names[members[0]]}.group{group}",
+            op=self._op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self._process_set,
+        )
+        for index, p in enumerate(members):
+            self._handles[p] = (
+                ("group", handle, index),
+                (contexts[index], compressed[index], False),
+            )
+        self._group_ready.pop(group, None)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce and write the results into ``.grad``.
+
+        Parameters that got no gradient this step (unused in the forward pass) are reduced as
+        zeros, so every rank submits the same names.
+        """
+        if not self._process_set.included() or not self._requires_update:
+            self._synchronized = True
+            return
+        for p in self._requires_update:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            pending = self._handles.get(p)
+            if pending is None or pending[0] is None:
+                group = self._group_of.get(p)
+                if group is None:
+                    self._handles[p] = self._submit(p)
+                else:
+                    self._group_ready.setdefault(group, set()).add(p)
+        for group in list(self._group_ready):
+            self._submit_group(group)
+        group_results: dict[int, list[torch.Tensor]] = {}
+        for p, (handle, ctx) in self._handles.items():
+            if ctx == "sparse":
+                p.grad = handle().coalesce()
+            elif isinstance(handle, tuple):
+                _, group_handle, index = handle
+                if group_handle not in group_results:
+                    group_results[group_handle] = ops.synchronize(group_handle)
+                self._write_grad(p, group_results[group_handle][index], ctx)
+            else:
+                self._write_grad(p, ops.synchronize(handle), ctx)
+            self._delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        self._synchronized = True
+
+    def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        compression_ctx, _, was_sparse = ctx
+        result = self._compression.decompress(output, compression_ctx)
+        assert p.grad is not None
+        if result.data_ptr() != p.grad.data_ptr() or result.dtype != p.grad.dtype:
+            p.grad.copy_(result)
+        if was_sparse:
+            p.grad = p.grad.to_sparse()
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize (call ``synchronize()`` first).
+
+        Example:
+            >>> loss.backward()
+            >>> optimizer.synchronize()
+            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            >>> with optimizer.skip_synchronize():
+            ...     optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(handle is not None for handle, _ in self._handles.values()):
+            raise AssertionError(_ZERO_GRAD_RACE)
+        super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate locally before an allreduce."""
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._handles.clear()
+        self._group_ready.clear()
+        self._synchronized = False
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def _elastic() -> bool:
+    from hora.common.config import flag
+
+    return flag("ELASTIC")
+
+
+def _parameter_names(param_groups: list[dict[str, Any]], named_parameters: Any) -> dict[Any, str]:
+    all_params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"grad.noname.{i}" for i, p in enumerate(all_params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced "
+            "by model.named_parameters()."
+        )
+    names = [name for name, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique. Found duplicates: {duplicates}"
+        )
+    by_param = {p: f"grad.{name}" for name, p in named}
+    unnamed = [id(p) for p in all_params if p not in by_param]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. "
+            f"Python object ids: {unnamed}"
+        )
+    return by_param
+
+
+def _split_groups(params: list[torch.Tensor], groups: Any) -> list[list[torch.Tensor]]:
+    if groups is None or groups == 0:
+        return [[p] for p in params]
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError("groups must be a non-negative integer or a list of lists of tensors")
+        count = min(groups, len(params)) or 1
+        size = -(-len(params) // count)
+        return [params[i : i + size] for i in range(0, len(params), size)]
+    explicit: list[list[torch.Tensor]] = []
+    seen: set[torch.Tensor] = set()
+    for group in groups:
+        members = [p for p in group if p.requires_grad]
+        if any(p in seen for p in members):
+            raise ValueError("A parameter appears in more than one group.")
+        seen.update(members)
+        explicit.append(members)
+    explicit += [[p] for p in params if p not in seen]
+    return [g for g in explicit if g]
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = ReduceOp.AVERAGE,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = ops.global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across ranks.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer (its hyperparameters carry over; its state
+            does not, so wrap before loading a checkpoint).
+        named_parameters: ``model.named_parameters()``; names the allreduces (recommended).
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16``.
+        backward_passes_per_step: backward passes to accumulate locally before reducing.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: divide gradients by this before the sum and multiply after
+            (Average only).
+        num_groups: deprecated; use ``groups``.
+        groups: an int (split parameters into that many groups) or a list of parameter lists;
+            each group is reduced as one grouped allreduce.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: the ranks that train together.
+
+    Returns:
+        An optimizer of the same class with the distributed behaviour.
+
+    Example:
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+        >>> optimizer = hvd.DistributedOptimizer(
+        ...     optimizer, named_parameters=model.named_parameters())
+    """
+    reduce_op = ReduceOp(int(op))
+    if reduce_op == ReduceOp.ADASUM:
+        raise NotImplementedError(
+            "op=hvd.Adasum is not implemented in hora. Use op=hvd.Average (the default)."
+        )
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("DistributedOptimizer supports op=hvd.Average and op=hvd.Sum.")
+    if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if hasattr(optimizer, "_requires_update"):
+        raise ValueError("The optimizer is already a DistributedOptimizer.")
+    cls = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        dict(_DistributedOptimizer.__dict__),
+    )
+    return cls(  # type: ignore[no-any-return]
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        reduce_op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
