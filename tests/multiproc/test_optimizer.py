@@ -1,0 +1,312 @@
+"""DistributedOptimizer, broadcast_parameters and broadcast_optimizer_state on real processes.
+
+The central check is equivalence: training with hora on N ranks, each with a slice of every batch,
+gives the parameters that one plain PyTorch process reaches on the whole batch. Each worker trains
+both (the reference locally, from rank 0's initial weights) and reports the largest difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .jobs import assert_raised, error_of, run_job
+
+BATCH = 12  # divisible by 2 and 3, so every rank's slice has the same size
+STEPS = 4
+
+
+def _model(seed: int) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 8),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 1),
+    )
+
+
+OPTIMIZERS: dict[str, Any] = {
+    "sgd_momentum": lambda p, torch: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda p, torch: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p, torch: torch.optim.AdamW(p, lr=0.01),
+    "rmsprop": lambda p, torch: torch.optim.RMSprop(p, lr=0.01),
+    "adagrad": lambda p, torch: torch.optim.Adagrad(p, lr=0.05),
+    "adadelta": lambda p, torch: torch.optim.Adadelta(p),
+    "adamax": lambda p, torch: torch.optim.Adamax(p, lr=0.01),
+    "nadam": lambda p, torch: torch.optim.NAdam(p, lr=0.01),
+    "radam": lambda p, torch: torch.optim.RAdam(p, lr=0.01),
+}
+
+
+def _train(optimizer_name: str, passes: int = 1, compression: str = "none", **wrap: Any) -> float:
+    """Train hora and a one-process reference side by side; return the largest difference."""
+    import torch
+
+    import hora.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    make = OPTIMIZERS[optimizer_name]
+    model = _model(seed=100 + rank)  # ranks start apart; broadcast_parameters must fix it
+    optimizer = hvd.DistributedOptimizer(
+        make(model.parameters(), torch),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
+        compression=getattr(hvd.Compression, compression),
+        **wrap,
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    reference = _model(seed=100)
+    reference_optimizer = make(reference.parameters(), torch)
+    data = torch.Generator().manual_seed(7)
+    per_rank = BATCH // size
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        for _ in range(passes):
+            x = torch.randn(BATCH, 6, generator=data)
+            y = torch.randn(BATCH, 1, generator=data)
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+        reference_optimizer.step()
+    return max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
+    )
+
+
+def _equivalence_worker() -> dict[str, Any]:
+    import hora.torch as hvd
+
+    hvd.init()
+    out: dict[str, Any] = {name: _train(name) for name in OPTIMIZERS}
+    out["sgd_passes_2"] = _train("sgd_momentum", passes=2)
+    out["adam_passes_2"] = _train("adam", passes=2)
+    out["sgd_fp16"] = _train("sgd_momentum", compression="fp16")
+    out["sgd_bf16"] = _train("sgd_momentum", compression="bf16")
+    out["sgd_groups_2"] = _train("sgd_momentum", groups=2)
+    out["adam_predivide"] = _train("adam", gradient_predivide_factor=2.0)
+    hvd.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+def equivalence(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return run_job(_equivalence_worker, request.param, timeout_s=150)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_training_matches_one_process_on_the_whole_batch(
+    equivalence: list[dict[str, Any]], name: str
+) -> None:
+    for rank, observed in enumerate(equivalence):
+        assert observed[name] < 1e-5, f"rank {rank}: {name} differs by {observed[name]}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("case", "tolerance"),
+    [
+        ("sgd_passes_2", 1e-5),
+        ("adam_passes_2", 1e-5),
+        ("sgd_groups_2", 1e-5),
+        ("adam_predivide", 1e-5),
+        ("sgd_fp16", 2e-3),
+        ("sgd_bf16", 2e-2),
+    ],
+)
+def test_options_keep_training_equivalent(
+    equivalence: list[dict[str, Any]], case: str, tolerance: float
+) -> None:
+    for rank, observed in enumerate(equivalence):
+        assert observed[case] < tolerance, f"rank {rank}: {case} differs by {observed[case]}"
+
+
+def _behaviour_worker() -> dict[str, Any]:
+    import warnings
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out: dict[str, Any] = {}
+    model = _model(seed=1)
+
+    def wrap(**kwargs: Any) -> Any:
+        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+    out["not_tuples"] = error_of(lambda: wrap(named_parameters=list(model.parameters())))
+    named = list(model.named_parameters())
+    out["duplicates"] = error_of(lambda: wrap(named_parameters=[named[0], named[0], *named[1:]]))
+    out["unnamed"] = error_of(lambda: wrap(named_parameters=named[:-1]))
+    out["bad_passes"] = error_of(lambda: wrap(backward_passes_per_step=0))
+    out["predivide_sum"] = error_of(lambda: wrap(op=hvd.Sum, gradient_predivide_factor=2.0))
+    out["adasum"] = error_of(lambda: wrap(op=hvd.Adasum))
+    out["lbfgs"] = error_of(
+        lambda: hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
+    )
+    out["bad_params"] = error_of(lambda: hvd.broadcast_parameters(42, root_rank=0))
+
+    # The guards: zero_grad with reductions in flight; too many backward passes.
+    optimizer = wrap(named_parameters=model.named_parameters())
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    out["zero_grad_race"] = error_of(optimizer.zero_grad)
+    out["too_many_passes"] = error_of(lambda: model(x).sum().backward())
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    out["step_warning"] = [str(w.message) for w in caught]
+
+    # Gradient clipping between synchronize() and step(), as Horovod documents it.
+    optimizer.zero_grad()
+    (model(torch.full((4, 6), float(rank + 1))).sum() * 100).backward()
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    out["skip_warning"] = [str(w.message) for w in caught]
+    out["clipped_weights"] = [p.detach().clone() for p in model.parameters()]
+
+    # A parameter that only some ranks use still gets a (zero) gradient reduced everywhere.
+    branches = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 1), "b": torch.nn.Linear(3, 1)})
+    hvd.broadcast_parameters(branches.state_dict(), root_rank=0)
+    branch_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(branches.parameters(), lr=1.0), named_parameters=branches.named_parameters()
+    )
+    used = "a" if rank == 0 else "b"
+    branches[used](torch.ones(2, 3)).sum().backward()
+    branch_opt.step()
+    out["unused_grad_b"] = branches["b"].weight.grad.clone()
+    out["unused_grad_a"] = branches["a"].weight.grad.clone()
+
+    # Sparse gradients: an embedding with sparse=True, reduced sparse and as dense.
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(embedding.parameters(), lr=1.0),
+            named_parameters=[(f"emb{int(sparse_as_dense)}", embedding.weight)],
+            sparse_as_dense=sparse_as_dense,
+        )
+        embedding(torch.tensor([rank, rank + 1])).sum().backward()
+        opt.synchronize()
+        out[f"sparse_grad_{sparse_as_dense}"] = embedding.weight.grad.to_dense().clone()
+
+    # Sum instead of Average; and hyperparameters travel with broadcast_optimizer_state.
+    summed = hvd.DistributedOptimizer(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1 * (rank + 1)),
+        op=hvd.Sum,
+    )
+    hvd.broadcast_optimizer_state(summed, root_rank=0)
+    out["lr_after_broadcast"] = summed.param_groups[0]["lr"]
+    weight = summed.param_groups[0]["params"][0]
+    (weight * (rank + 1)).sum().backward()
+    summed.synchronize()
+    out["sum_grad"] = weight.grad.clone()
+    out["size"] = size
+
+    # Mixed precision on the CPU with a GradScaler, the Horovod way.
+    amp_model = _model(seed=3)
+    amp_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(amp_model.parameters(), lr=0.1),
+        named_parameters=amp_model.named_parameters(),
+    )
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = amp_model(torch.randn(4, 6)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    amp_opt.synchronize()
+    scaler.unscale_(amp_opt)
+    with amp_opt.skip_synchronize():
+        scaler.step(amp_opt)
+    scaler.update()
+    out["amp_finite"] = all(torch.isfinite(p).all().item() for p in amp_model.parameters())
+    hvd.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+def behaviour(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return run_job(_behaviour_worker, request.param, timeout_s=120)
+
+
+@pytest.mark.timeout(150)
+def test_bad_arguments_are_explained(behaviour: list[dict[str, Any]]) -> None:
+    for observed in behaviour:
+        assert_raised(observed["not_tuples"], ValueError, "sequence of tuples (name, parameter)")
+        assert_raised(observed["duplicates"], ValueError, "must be unique. Found duplicates")
+        assert_raised(observed["unnamed"], ValueError, "were not named")
+        assert_raised(observed["bad_passes"], ValueError, "backward_passes_per_step must be > 0")
+        assert_raised(observed["predivide_sum"], ValueError, "gradient_predivide_factor")
+        assert_raised(observed["adasum"], NotImplementedError, "Adasum")
+        assert_raised(observed["lbfgs"], ValueError, "cannot broadcast torch.optim.LBFGS state")
+        assert_raised(observed["bad_params"], ValueError, "invalid params of type")
+
+
+@pytest.mark.timeout(150)
+def test_guards_and_warnings_match_horovod(behaviour: list[dict[str, Any]]) -> None:
+    for observed in behaviour:
+        assert_raised(observed["zero_grad_race"], AssertionError, "before optimizer.step()")
+        assert_raised(observed["too_many_passes"], AssertionError, "backward_passes_per_step")
+        assert any("skip_synchronize()" in w for w in observed["step_warning"])
+        assert observed["skip_warning"] == []
+
+
+@pytest.mark.timeout(150)
+def test_clipping_between_synchronize_and_step_keeps_ranks_identical(
+    behaviour: list[dict[str, Any]],
+) -> None:
+    first = behaviour[0]["clipped_weights"]
+    for observed in behaviour[1:]:
+        for mine, theirs in zip(observed["clipped_weights"], first):
+            assert (mine - theirs).abs().max().item() == 0.0
+
+
+@pytest.mark.timeout(150)
+def test_parameters_unused_on_some_ranks_are_reduced_as_zero(
+    behaviour: list[dict[str, Any]],
+) -> None:
+    size = behaviour[0]["size"]
+    users_of_b = size - 1  # every rank but rank 0 used branch b
+    for observed in behaviour:
+        # d(sum(W x))/dW with x = ones(2, 3) is 2 per element; averaged over all ranks.
+        b_grad, a_grad = observed["unused_grad_b"], observed["unused_grad_a"]
+        assert b_grad.allclose(b_grad * 0 + 2 * users_of_b / size)
+        assert a_grad.allclose(a_grad * 0 + 2 / size)
+
+
+@pytest.mark.timeout(150)
+def test_sparse_gradients_are_averaged_sparse_or_dense(behaviour: list[dict[str, Any]]) -> None:
+    import torch
+
+    size = behaviour[0]["size"]
+    expected = torch.zeros(10, 3)
+    for rank in range(size):
+        expected[rank] += 1.0 / size
+        expected[rank + 1] += 1.0 / size
+    for observed in behaviour:
+        for sparse_as_dense in (False, True):
+            assert observed[f"sparse_grad_{sparse_as_dense}"].allclose(expected)
+
+
+@pytest.mark.timeout(150)
+def test_sum_op_and_broadcast_hyperparameters(behaviour: list[dict[str, Any]]) -> None:
+    size = behaviour[0]["size"]
+    total = sum(range(1, size + 1))
+    for observed in behaviour:
+        assert observed["lr_after_broadcast"] == pytest.approx(0.1)
+        assert observed["sum_grad"].tolist() == [float(total)] * 2
+        assert observed["amp_finite"]
