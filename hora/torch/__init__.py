@@ -77,6 +77,7 @@ from hora.torch.ops import (
     synchronize,
 )
 from hora.torch.optimizer import DistributedOptimizer
+from hora.torch.sync_batch_norm import SyncBatchNorm
 
 
 def init(comm=None, process_sets=None):  # noqa: ANN001, ANN201 - Horovod's signature
@@ -108,6 +109,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",

@@ -62,6 +62,10 @@ HOROVOD_TORCH_NAMES = [
     "Compression",
     "broadcast_object",
     "allgather_object",
+    "DistributedOptimizer",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "SyncBatchNorm",
 ]
 
 
