@@ -1,0 +1,129 @@
+"""The example scripts, run end to end through horarun on two workers."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "examples" / "pytorch_digits.py")
+BENCHMARK = str(ROOT / "examples" / "pytorch_synthetic_benchmark.py")
+HORARUN = [sys.executable, "-m", "hora.runner.launch"]
+
+FINAL = re.compile(r"^\[0\]<stdout>:final test accuracy: (\d\.\d{4})$", re.MULTILINE)
+EPOCH = re.compile(r"^\[0\]<stdout>:epoch (\d+)/(\d+): train loss (\S+), ", re.MULTILINE)
+
+
+def _run(script: str, *args: str, np: int = 2, timeout: float = 120) -> str:
+    """Run ``script`` on ``np`` workers; returns its output, or fails showing all of it."""
+    command = [*HORARUN, "-np", str(np), sys.executable, script, *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, (
+        f"{' '.join(command)} exited with {result.returncode}\n"
+        f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
+    return result.stdout
+
+
+def _epoch_losses(output: str) -> dict[int, str]:
+    """Rank 0's epoch summaries: epoch number -> train loss as printed."""
+    return {int(m.group(1)): m.group(3) for m in EPOCH.finditer(output)}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """One training of the default 10 epochs with a checkpoint: (rank 0's output, checkpoint)."""
+    checkpoint = tmp_path_factory.mktemp("full") / "digits.pt"
+    return _run(DIGITS, "--no-progress", "--checkpoint", str(checkpoint)), checkpoint
+
+
+@pytest.mark.timeout(150)
+def test_digits_reaches_95_percent_and_writes_a_checkpoint(full_run: tuple[str, Path]) -> None:
+    output, checkpoint = full_run
+    finals = FINAL.findall(output)
+    assert len(finals) == 1, output
+    assert float(finals[0]) >= 0.95, output
+    assert sorted(_epoch_losses(output)) == list(range(1, 11)), output
+    state = torch.load(checkpoint, map_location="cpu")
+    assert state["epoch"] == 10
+    assert {"model", "optimizer"} <= state.keys()
+    assert not Path(f"{checkpoint}.tmp").exists()
+
+
+@pytest.mark.timeout(180)
+def test_digits_resume_continues_after_the_checkpoint(
+    full_run: tuple[str, Path], tmp_path: Path
+) -> None:
+    checkpoint = str(tmp_path / "digits.pt")
+    first = _run(DIGITS, "--no-progress", "--epochs", "1", "--checkpoint", checkpoint)
+    assert sorted(_epoch_losses(first)) == [1], first
+    assert torch.load(checkpoint, map_location="cpu")["epoch"] == 1
+
+    resumed = _run(
+        DIGITS, "--no-progress", "--epochs", "10", "--checkpoint", checkpoint, "--resume"
+    )
+    assert sorted(_epoch_losses(resumed)) == list(range(2, 11)), resumed
+    assert torch.load(checkpoint, map_location="cpu")["epoch"] == 10
+
+    # The first epoch is all warmup, so its schedule does not depend on --epochs: the
+    # uninterrupted run must print the same losses and accuracy, which it does only if the
+    # weights and the momentum buffers came back from the checkpoint on every rank.
+    straight = _epoch_losses(full_run[0])
+    assert straight[1] == _epoch_losses(first)[1]
+    assert {e: straight[e] for e in range(2, 11)} == _epoch_losses(resumed), (full_run, resumed)
+    assert FINAL.findall(resumed) == FINAL.findall(full_run[0])
+
+
+@pytest.mark.timeout(60)
+def test_digits_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.pt")
+    command = [*HORARUN, "-np", "2", sys.executable, DIGITS, "--checkpoint", missing, "--resume"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[{rank}]<stderr>:--resume: no checkpoint at '{missing}'" in result.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("model", "unit"), [("mlp", "samples"), ("resnet", "img"), ("transformer", "samples")]
+)
+def test_synthetic_benchmark_prints_total_throughput(model: str, unit: str) -> None:
+    output = _run(
+        BENCHMARK,
+        *("--model", model, "--batch-size", "8", "--num-warmup-batches", "1"),
+        *("--num-batches-per-iter", "2", "--num-iters", "3"),
+        timeout=80,
+    )
+    iterations = re.findall(
+        rf"^\[0\]<stdout>:Iter #\d+: [\d.]+ {unit}/sec per worker$", output, re.M
+    )
+    assert len(iterations) == 3, output
+    per_worker = re.search(
+        rf"^\[0\]<stdout>:{unit.capitalize()}/sec per worker: ([\d.]+) \+-([\d.]+)$", output, re.M
+    )
+    total = re.search(
+        rf"^\[0\]<stdout>:Total {unit}/sec on 2 worker\(s\): ([\d.]+) \+-([\d.]+)$", output, re.M
+    )
+    assert per_worker is not None and total is not None, output
+    assert float(total.group(1)) == pytest.approx(2 * float(per_worker.group(1)), abs=0.11)
+    assert float(total.group(1)) > 0
+    assert "[1]<stdout>:" not in output  # only rank 0 reports
+
+
+@pytest.mark.timeout(60)
+def test_synthetic_benchmark_refuses_adasum() -> None:
+    result = subprocess.run(
+        [sys.executable, BENCHMARK, "--use-adasum"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "--use-adasum: hora has no Adasum reduction" in result.stderr
