@@ -237,10 +237,14 @@ class Engine:
             self._thread.join(timeout=self.settings.gloo_timeout_s + 10)
         if self._watcher is not None:
             self._watcher.stop()
-            self._watcher.join(timeout=2 * WATCH_INTERVAL_S + 1)
+            self._watcher.join(timeout=10.0)
+        finished = self._thread is None or not self._thread.is_alive()
         for comm in [self._control, *self._communicators.values()]:
-            if self._failure is not None:
+            # Tear groups down here, in order, rather than leave it to interpreter exit.
+            if self._failure is not None or not finished:
                 comm.abort()
+            else:
+                comm.close()
 
     def report_cause(self, text: str) -> None:
         """Record in the store that this rank is ending the job (first report wins).
@@ -666,7 +670,9 @@ class Engine:
             self._register_process_set(set_id, ranks)
         else:
             self.process_sets.remove(set_id)
-            self._communicators.pop(set_id, None)
+            removed = self._communicators.pop(set_id, None)
+            if removed is not None:
+                removed.close()
         entry = self._take(template.name)
         if entry is not None:
             self._finish_entry(entry, set_id)

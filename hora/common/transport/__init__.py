@@ -46,5 +46,8 @@ class Communicator(Protocol):
     def barrier(self) -> None:
         """Return when every member has called it."""
 
+    def close(self) -> None:
+        """Release the communicator after the last operation (orderly shutdown)."""
+
     def abort(self) -> None:
         """Fail every operation in flight, now, so blocked callers return."""

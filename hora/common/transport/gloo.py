@@ -110,6 +110,16 @@ class GlooCommunicator:
     def barrier(self) -> None:
         self._run(lambda: self._pg.barrier())
 
+    def close(self) -> None:
+        """Release the group's threads and connections now, not at interpreter exit."""
+        if self._aborted:
+            return
+        self._aborted = True
+        try:
+            self._pg.shutdown()
+        except RuntimeError:
+            pass
+
     def abort(self) -> None:
         if self._aborted:
             return
