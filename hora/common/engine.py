@@ -240,10 +240,10 @@ class Engine:
             self._watcher.join(timeout=10.0)
         finished = self._thread is None or not self._thread.is_alive()
         for comm in [self._control, *self._communicators.values()]:
-            # Tear groups down here, in order, rather than leave it to interpreter exit.
+            # Tear groups down here rather than leave it to interpreter exit.
             if self._failure is not None or not finished:
                 comm.abort()
-            else:
+            if finished:
                 comm.close()
 
     def report_cause(self, text: str) -> None:

@@ -111,20 +111,25 @@ class GlooCommunicator:
         self._run(lambda: self._pg.barrier())
 
     def close(self) -> None:
-        """Release the group's threads and connections now, not at interpreter exit."""
-        if self._aborted:
-            return
+        """Release the group now: its worker threads hold tensors, and destroying it during
+        interpreter shutdown can abort the process (pytorch/pytorch#179291)."""
+        pg, self._pg = self._pg, None
         self._aborted = True
-        try:
-            self._pg.shutdown()
-        except RuntimeError:
-            pass
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except RuntimeError:
+                pass
+            del pg
 
     def abort(self) -> None:
         if self._aborted:
             return
         self._aborted = True
+        pg = self._pg
+        if pg is None:
+            return
         try:
-            self._pg.abort()
+            pg.abort()
         except RuntimeError:
             pass
