@@ -1,0 +1,606 @@
+"""Training throughput: one process, PyTorch DDP and hora, side by side in one job.
+
+Run it with::
+
+    .venv/bin/horarun -np 2 .venv/bin/python benchmarks/training.py [--json results.json]
+
+or let it start the job itself (through ``horarun``, 2 workers unless ``--np`` says otherwise)::
+
+    .venv/bin/python benchmarks/training.py [--models mlp resnet transformer] [--iters N]
+        [--batch-size B] [--np N] [--json results.json]
+
+Three reference models train on synthetic data (a fixed random batch per rank, the same on every
+run): an MLP on 784-dim inputs, a small ResNet on 3x32x32 images and a small transformer encoder
+classifier on token sequences. For each model, every worker builds three copies from the same
+seed, each with plain SGD with momentum, and trains them in three modes:
+
+1. single: rank 0 trains alone, the other ranks wait at a barrier;
+2. DDP: ``torch.nn.parallel.DistributedDataParallel`` over torch.distributed's default group on
+   Gloo (rendezvousing in the job's store under its own key prefix), default buckets,
+   ``forward_sync_buffers=False`` (hora does not synchronise buffers in forward either);
+3. hora: ``hvd.DistributedOptimizer`` with ``named_parameters``.
+
+Every process uses one intra-op thread (``torch.set_num_threads(1)``), the single-process mode
+included, so that the scaling efficiency ``total / (np * single)`` compares like with like on a
+machine with one core per worker. The per-worker batch is the same in every mode.
+
+A training step (``zero_grad``, forward, loss, backward, ``step``) is timed on every rank; a
+step's time is that of the slowest rank, and throughputs come from the median step time:
+``batch / median`` for one process, ``np * batch / median`` for DDP and hora. Steps are timed in
+blocks that start with a barrier and one untimed step; the modes' blocks alternate (single, hora,
+DDP, DDP, hora, single, ...) so that drift in the machine's load hits all alike. Goal: hora's
+throughput >= 1.0x DDP's. Rank 0 prints the table, with a breakdown of rank 0's median step into
+forward, backward and ``step()``; ``--json PATH`` also writes every sample there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as _dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hora
+import hora.torch as hvd
+from hora.common.config import Settings
+
+GOAL = 1.0  # hora throughput / DDP throughput
+RAW_PREFIX = "raw-train-bench/"
+SEED = 1234
+LEARNING_RATE = 0.01
+MOMENTUM = 0.9
+CLASSES = 10
+MODES = ("single", "ddp", "hora")
+# Blocks run in this order, then in reverse, and so on (see Alternation).
+BLOCK_ORDER = ("single", "hora", "ddp")
+
+# torch.distributed's stubs omit the stores (as in hora.common.transport.gloo).
+dist: Any = _dist
+
+# One training step; returns (forward, backward, optimizer step) seconds on this rank.
+Step = Callable[[], tuple[float, float, float]]
+
+
+# ---------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    """784 -> 1024 -> 1024 -> 10: few, large gradients (1.9 M parameters in 6 tensors)."""
+
+    def __init__(self, inputs: int = 784, hidden: int = 1024) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(inputs, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, CLASSES),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A ResNet-8 for 3x32x32 images: compute-bound, many small gradients (78 K in 29 tensors)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(
+            BasicBlock(width, width, 1),
+            BasicBlock(width, 2 * width, 2),
+            BasicBlock(2 * width, 4 * width, 2),
+        )
+        self.head = nn.Linear(4 * width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.blocks(self.stem(x))
+        return self.head(F.adaptive_avg_pool2d(features, 1).flatten(1))
+
+
+class TinyTransformer(nn.Module):
+    """Two encoder layers (d=128, 4 heads) over 32 tokens, mean-pooled: 530 K in 28 tensors."""
+
+    def __init__(self, vocab: int = 1000, length: int = 32, width: int = 128) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(length, width))
+        layer = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=4 * width, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(self.embedding(tokens) + self.position)
+        return self.head(hidden.mean(dim=1))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A reference model and how to make a synthetic batch for it."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    make_inputs: Callable[[int, torch.Generator], torch.Tensor]
+
+
+MODELS = {
+    "mlp": ModelSpec("mlp", MLP, lambda n, g: torch.randn(n, 784, generator=g)),
+    "resnet": ModelSpec("resnet", SmallResNet, lambda n, g: torch.randn(n, 3, 32, 32, generator=g)),
+    "transformer": ModelSpec(
+        "transformer", TinyTransformer, lambda n, g: torch.randint(0, 1000, (n, 32), generator=g)
+    ),
+}
+
+
+# ---------------------------------------------------------------- launching
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--np", type=int, default=2, help="workers to start when not run under horarun"
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=list(MODELS),
+        help="models to train (default: all)",
+    )
+    parser.add_argument(
+        "--iters", type=int, default=60, help="timed steps per model and mode (default 60)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps per model and mode (default 5)"
+    )
+    parser.add_argument(
+        "--block", type=int, default=10, help="timed steps per alternation block (default 10)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="samples per worker and step (default 32)"
+    )
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
+    args = parser.parse_args(argv)
+    for name in ("iters", "block", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must not be negative")
+    return args
+
+
+def relaunch(args: argparse.Namespace) -> int:
+    """Start this script on ``args.np`` workers through horarun and return its exit status."""
+    import subprocess
+
+    forwarded = ["--models", *args.models, "--iters", str(args.iters)]
+    forwarded += ["--warmup", str(args.warmup), "--block", str(args.block)]
+    forwarded += ["--batch-size", str(args.batch_size)]
+    if args.json:
+        forwarded += ["--json", os.path.abspath(args.json)]
+    command = [sys.executable, "-m", "hora.runner.launch", "-np", str(args.np)]
+    command += [sys.executable, os.path.abspath(__file__), *forwarded]
+    return subprocess.call(command)
+
+
+def init_raw_group(rank: int, size: int) -> None:
+    """torch.distributed's default group on Gloo, rendezvousing in the job's store."""
+    addr = os.environ["HORA_RENDEZVOUS_ADDR"]
+    port = int(os.environ["HORA_RENDEZVOUS_PORT"])
+    # Long enough for the other ranks to wait at a barrier through single-process blocks.
+    timeout = timedelta(seconds=300)
+    store = dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(RAW_PREFIX, store),
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+    )
+
+
+# ---------------------------------------------------------------- training
+
+
+def make_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+) -> Step:
+    """One training step on a fixed batch, timed in its three parts."""
+
+    def step() -> tuple[float, float, float]:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs), labels)
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        end = time.perf_counter()
+        return forward_end - start, backward_end - forward_end, end - backward_end
+
+    return step
+
+
+@dataclass
+class Mode:
+    """A way of training one model: the step this rank runs (``None``: it sits this mode out)."""
+
+    name: str
+    step: Step | None
+    workers: int
+    module: nn.Module
+    totals: list[float] = field(default_factory=list)
+    phases: list[tuple[float, float, float]] = field(default_factory=list)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+
+
+def build_modes(
+    spec: ModelSpec, batch_size: int, rank: int, size: int
+) -> tuple[dict[str, Mode], nn.Module]:
+    """The three modes of one model, each on its own copy of the same seeded initialisation.
+
+    Returns:
+        (modes by name, the bare module that DDP wraps).
+    """
+    copies = []
+    for _ in MODES:
+        torch.manual_seed(SEED)
+        copies.append(spec.build())
+    single_model, ddp_module, hora_model = copies
+    generator = torch.Generator().manual_seed(SEED + 1 + rank)
+    inputs = spec.make_inputs(batch_size, generator)
+    labels = torch.randint(0, CLASSES, (batch_size,), generator=generator)
+
+    single_step = make_step(single_model, sgd(single_model), inputs, labels) if rank == 0 else None
+    # Buffers (BatchNorm statistics) stay rank-local after the initial sync, as with hora.
+    ddp_model = DistributedDataParallel(ddp_module, forward_sync_buffers=False)
+    optimizer = hvd.DistributedOptimizer(
+        sgd(hora_model), named_parameters=hora_model.named_parameters()
+    )
+    hvd.broadcast_parameters(hora_model.state_dict(), root_rank=0)
+    modes = {
+        "single": Mode("single", single_step, 1, single_model),
+        "ddp": Mode("ddp", make_step(ddp_model, sgd(ddp_model), inputs, labels), size, ddp_module),
+        "hora": Mode("hora", make_step(hora_model, optimizer, inputs, labels), size, hora_model),
+    }
+    return modes, ddp_module
+
+
+# ---------------------------------------------------------------- timing
+
+
+def slowest_rank(times: list[float]) -> list[float]:
+    """Per step, the longest time any rank measured (ranks that sat out report 0)."""
+    tensor = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def run_block(mode: Mode, count: int) -> None:
+    """Time ``count`` back-to-back steps of ``mode`` on this rank, after a barrier and a lead-in.
+
+    The barrier lines the ranks up; one untimed step absorbs the skew with which ranks leave it
+    and, for hora, wakes a parked engine. A rank that sits the mode out records zeros.
+    """
+    dist.barrier()
+    if mode.step is None:
+        mode.totals.extend([0.0] * count)
+        mode.phases.extend([(0.0, 0.0, 0.0)] * count)
+        return
+    mode.step()
+    for _ in range(count):
+        start = time.perf_counter()
+        phases = mode.step()
+        mode.totals.append(time.perf_counter() - start)
+        mode.phases.append(phases)
+
+
+@dataclass(frozen=True)
+class Alternation:
+    """Times several modes against each other in alternating blocks.
+
+    Blocks run in the order A, B, C, C, B, A, ... so that drift in the machine's load falls on all
+    alike. Before any block that is not hora's, hora's engine gets ``settle_s`` to park, so that
+    its idle cycles do not compete with the other mode for the CPU.
+    """
+
+    settle_s: float
+
+    def run(self, modes: dict[str, Mode], reps: int, warmup: int, block: int) -> None:
+        """Time each mode ``reps`` steps, in blocks of ``block``, after ``warmup`` untimed steps.
+
+        Fills each mode's ``totals`` (this rank's) and ``phases``.
+        """
+        order = [modes[name] for name in BLOCK_ORDER]
+        for mode in order:
+            time.sleep(self.settle_s)
+            dist.barrier()
+            if mode.step is not None:
+                for _ in range(warmup):
+                    mode.step()
+        for mode in itertools.cycle([*order, *reversed(order)]):
+            count = min(block, reps - len(mode.totals))
+            if count > 0:
+                if mode.name != "hora":
+                    time.sleep(self.settle_s)
+                run_block(mode, count)
+            if all(len(m.totals) == reps for m in order):
+                break
+
+
+# ---------------------------------------------------------------- checks
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def ranks_agree(module: nn.Module) -> bool:
+    """Whether every rank holds bitwise the same parameters."""
+    mine = flat_parameters(module).double()
+    high, low = mine.clone(), mine.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(high, low))
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+def bench_model(
+    spec: ModelSpec, args: argparse.Namespace, timer: Alternation, rank: int, size: int
+) -> dict[str, Any]:
+    modes, ddp_module = build_modes(spec, args.batch_size, rank, size)
+    timer.run(modes, args.iters, args.warmup, args.block)
+    parameters = list(modes["hora"].module.parameters())
+    row: dict[str, Any] = {
+        "model": spec.name,
+        "parameters": sum(p.numel() for p in parameters),
+        "parameter_tensors": len(parameters),
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in parameters),
+        "batch_size": args.batch_size,
+    }
+    for name in MODES:
+        mode = modes[name]
+        slowest = slowest_rank(mode.totals)
+        step_s = statistics.median(slowest)
+        # Rank 0's median forward, backward and step() (rank 0 trains in every mode).
+        breakdown = [statistics.median(column) for column in zip(*mode.phases)]
+        row[name] = {
+            "workers": mode.workers,
+            "step_s": step_s,
+            "samples_per_s": mode.workers * args.batch_size / step_s,
+            "forward_s": breakdown[0],
+            "backward_s": breakdown[1],
+            "optimizer_step_s": breakdown[2],
+            "step_samples_s": slowest,
+        }
+    single = row["single"]["samples_per_s"]
+    hora_rate, ddp_rate = row["hora"]["samples_per_s"], row["ddp"]["samples_per_s"]
+    row["ratio"] = hora_rate / ddp_rate
+    row["hora_efficiency"] = hora_rate / (size * single)
+    row["ddp_efficiency"] = ddp_rate / (size * single)
+    row["goal"] = f"hora samples/s >= {GOAL:g}x DDP"
+    row["pass"] = row["ratio"] >= GOAL
+    # Both trained the same number of steps on the same data from the same start.
+    hora_params = flat_parameters(modes["hora"].module)
+    row["hora_vs_ddp_max_abs_diff"] = float((hora_params - flat_parameters(ddp_module)).abs().max())
+    row["hora_ranks_agree"] = ranks_agree(modes["hora"].module)
+    row["ddp_ranks_agree"] = ranks_agree(ddp_module)
+    return row
+
+
+# ---------------------------------------------------------------- report
+
+
+def source_revision() -> str | None:
+    """The git commit of the hora checkout being measured (``None`` outside a git checkout)."""
+    import subprocess
+
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=os.path.dirname(os.path.abspath(hora.__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return None
+    return described.stdout.strip() or None
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join([first, *rest])
+
+    rule = "-" * len(line(header))
+    return [rule, line(header), rule, *map(line, rows), rule]
+
+
+def format_table(results: dict[str, Any]) -> str:
+    size = results["world_size"]
+    header = (
+        "model",
+        "single samples/s",
+        "DDP samples/s",
+        "hora samples/s",
+        "hora/DDP",
+        "hora eff",
+        "DDP eff",
+        "goal",
+        "result",
+    )
+    rows = [
+        (
+            r["model"],
+            f"{r['single']['samples_per_s']:.0f}",
+            f"{r['ddp']['samples_per_s']:.0f}",
+            f"{r['hora']['samples_per_s']:.0f}",
+            f"{r['ratio']:.3f}x",
+            f"{r['hora_efficiency']:.0%}",
+            f"{r['ddp_efficiency']:.0%}",
+            f"hora >= {GOAL:.1f}x DDP",
+            verdict(r["pass"]),
+        )
+        for r in results["models"]
+    ]
+    title = (
+        f"hora {results['hora_version']} ({results['hora_revision']}) vs PyTorch DDP "
+        f"(torch {results['torch_version']}, gloo), {size} ranks, batch {results['batch_size']} "
+        f"per worker, 1 thread per process; cycle time {results['cycle_time_ms']:g} ms, fusion "
+        f"threshold {results['fusion_threshold_bytes']} B; medians of {results['iters']} steps, "
+        "slowest rank"
+    )
+    detail_header = (
+        "model",
+        "params",
+        "tensors",
+        "mode",
+        "step ms",
+        "fwd ms",
+        "bwd ms",
+        "opt.step ms",
+    )
+    detail: list[tuple[str, ...]] = []
+    for r in results["models"]:
+        for name in MODES:
+            m = r[name]
+            detail.append(
+                (
+                    r["model"] if name == MODES[0] else "",
+                    f"{r['parameters']:,}" if name == MODES[0] else "",
+                    str(r["parameter_tensors"]) if name == MODES[0] else "",
+                    name,
+                    ms(m["step_s"]),
+                    ms(m["forward_s"]),
+                    ms(m["backward_s"]),
+                    ms(m["optimizer_step_s"]),
+                )
+            )
+    checks = [
+        f"{r['model']}: hora vs DDP parameters max |diff| {r['hora_vs_ddp_max_abs_diff']:.2e}, "
+        f"ranks agree: hora {r['hora_ranks_agree']}, DDP {r['ddp_ranks_agree']}"
+        for r in results["models"]
+    ]
+    notes = (
+        f"samples/s: single = batch / median step, DDP and hora = {size} x batch / median step "
+        f"(total); eff = total / ({size} x single)\n"
+        f"run time {results['elapsed_s']:.1f} s on {results['cpus']} CPUs; load average "
+        f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after"
+    )
+    passed = sum(r["pass"] for r in results["models"])
+    summary = f"goals met: {passed}/{len(results['models'])}"
+    lines = [title, *render(header, rows)]
+    lines += ["step time breakdown (step: slowest rank; fwd/bwd/opt.step: rank 0's medians)"]
+    lines += render(detail_header, detail)
+    lines += [*checks, notes, summary]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def worker(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    init_raw_group(rank, size)
+    settings = Settings.from_env()
+    # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
+    timer = Alternation(settle_s=max(0.05, 10 * settings.cycle_time_ms / 1000))
+    results: dict[str, Any] = {
+        "hora_version": hora.__version__,
+        "hora_revision": source_revision() if rank == 0 else None,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "world_size": size,
+        "cpus": os.cpu_count(),
+        "threads_per_process": torch.get_num_threads(),
+        "load_before": load_before,
+        "cycle_time_ms": settings.cycle_time_ms,
+        "fusion_threshold_bytes": settings.fusion_threshold_bytes,
+        "batch_size": args.batch_size,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "block": args.block,
+        "models": [bench_model(MODELS[name], args, timer, rank, size) for name in args.models],
+    }
+    dist.barrier()
+    results["elapsed_s"] = time.perf_counter() - started
+    results["load_after"] = os.getloadavg()
+    if rank == 0:
+        print(format_table(results), flush=True)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(results, out, indent=2)
+                out.write("\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
+def main() -> int:
+    args = parse_args()
+    if "HORA_RANK" not in os.environ:
+        return relaunch(args)
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
