@@ -35,7 +35,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,6 +43,10 @@ import torch.distributed as _dist
 import hora
 import hora.torch as hvd
 from hora.common.config import Settings
+
+# The benchmarks' shared helpers live beside this file.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 MIB = 1024 * 1024
 KIB = 1024
@@ -83,39 +86,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def relaunch(args: argparse.Namespace) -> int:
     """Start this script on ``args.np`` workers through horarun and return its exit status."""
-    import subprocess
-
     forwarded = ["--repeats", str(args.repeats)]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
-    command = [sys.executable, "-m", "hora.runner.launch", "-np", str(args.np)]
-    command += [sys.executable, os.path.abspath(__file__), *forwarded]
-    return subprocess.call(command)
+    return harness.relaunch(__file__, args.np, forwarded)
 
 
 def init_raw_group(rank: int, size: int) -> None:
-    """torch.distributed's default group on Gloo, rendezvousing in the job's store."""
-    addr = os.environ["HORA_RENDEZVOUS_ADDR"]
-    port = int(os.environ["HORA_RENDEZVOUS_PORT"])
-    timeout = timedelta(seconds=60)
-    store = dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False)
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(RAW_PREFIX, store),
-        rank=rank,
-        world_size=size,
-        timeout=timeout,
-    )
+    harness.init_raw_group(rank, size, RAW_PREFIX, timeout_s=60)
 
 
 # ---------------------------------------------------------------- timing
-
-
-def slowest_rank(times: list[float]) -> list[float]:
-    """Per repetition, the longest time any rank measured."""
-    tensor = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
 
 
 def run_block(op: Op, reps: int) -> list[float]:
@@ -170,7 +151,7 @@ class Comparison:
                 times.extend(run_block(op, count))
             if len(hora_times) == len(raw_times) == reps:
                 break
-        return slowest_rank(hora_times), slowest_rank(raw_times)
+        return harness.slowest_rank(hora_times), harness.slowest_rank(raw_times)
 
 
 def scaled(count: int, factor: float) -> int:
@@ -309,23 +290,6 @@ def bench_latency(timer: Comparison, factor: float, cycle_time_ms: float) -> lis
 # ---------------------------------------------------------------- report
 
 
-def source_revision() -> str | None:
-    """The git commit of the hora checkout being measured (``None`` outside a git checkout)."""
-    import subprocess
-
-    try:
-        described = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=os.path.dirname(os.path.abspath(hora.__file__)),
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except OSError:
-        return None
-    return described.stdout.strip() or None
-
-
 def size_label(nbytes: int) -> str:
     if nbytes >= MIB:
         return f"{nbytes // MIB} MiB"
@@ -340,10 +304,6 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def verdict(passed: bool) -> str:
-    return "PASS" if passed else "MISS"
-
-
 def format_table(results: dict[str, Any]) -> str:
     header = ("benchmark", "hora", "raw gloo", "hora vs raw", "goal", "result")
     rows: list[tuple[str, ...]] = []
@@ -355,7 +315,7 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{row['raw_busbw_GBps']:.2f} GB/s",
                 f"{row['ratio']:.3f}x",
                 f">= {BANDWIDTH_GOAL}x",
-                verdict(row["pass"]),
+                harness.verdict(row["pass"]),
             )
         )
     fusion = results["fusion"]
@@ -366,7 +326,7 @@ def format_table(results: dict[str, Any]) -> str:
             duration(fusion["raw_s"]),
             f"{fusion['speedup']:.1f}x faster",
             f">= {FUSION_GOAL:g}x faster",
-            verdict(fusion["pass"]),
+            harness.verdict(fusion["pass"]),
         )
     )
     cycle_us = results["cycle_time_ms"] * 1000
@@ -378,7 +338,7 @@ def format_table(results: dict[str, Any]) -> str:
                 duration(row["raw_s"]),
                 f"{row['extra_us']:+.0f} us",
                 f"<= +{cycle_us:.0f} us",
-                verdict(row["pass"]),
+                harness.verdict(row["pass"]),
             )
         )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -432,7 +392,7 @@ def worker(args: argparse.Namespace) -> None:
     timer = Comparison(settle_s=max(0.05, 10 * cycle_time_ms / 1000))
     results: dict[str, Any] = {
         "hora_version": hora.__version__,
-        "hora_revision": source_revision() if rank == 0 else None,
+        "hora_revision": harness.source_revision() if rank == 0 else None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "world_size": size,

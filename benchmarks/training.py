@@ -45,7 +45,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -57,6 +56,10 @@ from torch.nn.parallel import DistributedDataParallel
 import hora
 import hora.torch as hvd
 from hora.common.config import Settings
+
+# The benchmarks' shared helpers live beside this file.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 GOAL = 1.0  # hora throughput / DDP throughput
 RAW_PREFIX = "raw-train-bench/"
@@ -208,32 +211,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def relaunch(args: argparse.Namespace) -> int:
     """Start this script on ``args.np`` workers through horarun and return its exit status."""
-    import subprocess
-
     forwarded = ["--models", *args.models, "--iters", str(args.iters)]
     forwarded += ["--warmup", str(args.warmup), "--block", str(args.block)]
     forwarded += ["--batch-size", str(args.batch_size)]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
-    command = [sys.executable, "-m", "hora.runner.launch", "-np", str(args.np)]
-    command += [sys.executable, os.path.abspath(__file__), *forwarded]
-    return subprocess.call(command)
+    return harness.relaunch(__file__, args.np, forwarded)
 
 
 def init_raw_group(rank: int, size: int) -> None:
-    """torch.distributed's default group on Gloo, rendezvousing in the job's store."""
-    addr = os.environ["HORA_RENDEZVOUS_ADDR"]
-    port = int(os.environ["HORA_RENDEZVOUS_PORT"])
-    # Long enough for the other ranks to wait at a barrier through single-process blocks.
-    timeout = timedelta(seconds=300)
-    store = dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False)
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(RAW_PREFIX, store),
-        rank=rank,
-        world_size=size,
-        timeout=timeout,
-    )
+    harness.init_raw_group(rank, size, RAW_PREFIX, timeout_s=300)
 
 
 # ---------------------------------------------------------------- training
@@ -307,13 +294,6 @@ def build_modes(
 
 
 # ---------------------------------------------------------------- timing
-
-
-def slowest_rank(times: list[float]) -> list[float]:
-    """Per step, the longest time any rank measured (ranks that sat out report 0)."""
-    tensor = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
 
 
 def run_block(mode: Mode, count: int) -> None:
@@ -402,7 +382,7 @@ def bench_model(
     }
     for name in MODES:
         mode = modes[name]
-        slowest = slowest_rank(mode.totals)
+        slowest = harness.slowest_rank(mode.totals)
         step_s = statistics.median(slowest)
         # Rank 0's median forward, backward and step() (rank 0 trains in every mode).
         breakdown = [statistics.median(column) for column in zip(*mode.phases)]
@@ -431,27 +411,6 @@ def bench_model(
 
 
 # ---------------------------------------------------------------- report
-
-
-def source_revision() -> str | None:
-    """The git commit of the hora checkout being measured (``None`` outside a git checkout)."""
-    import subprocess
-
-    try:
-        described = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=os.path.dirname(os.path.abspath(hora.__file__)),
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except OSError:
-        return None
-    return described.stdout.strip() or None
-
-
-def verdict(passed: bool) -> str:
-    return "PASS" if passed else "MISS"
 
 
 def ms(seconds: float) -> str:
@@ -493,7 +452,7 @@ def format_table(results: dict[str, Any]) -> str:
             f"{r['hora_efficiency']:.0%}",
             f"{r['ddp_efficiency']:.0%}",
             f"hora >= {GOAL:.1f}x DDP",
-            verdict(r["pass"]),
+            harness.verdict(r["pass"]),
         )
         for r in results["models"]
     ]
@@ -565,7 +524,7 @@ def worker(args: argparse.Namespace) -> None:
     timer = Alternation(settle_s=max(0.05, 10 * settings.cycle_time_ms / 1000))
     results: dict[str, Any] = {
         "hora_version": hora.__version__,
-        "hora_revision": source_revision() if rank == 0 else None,
+        "hora_revision": harness.source_revision() if rank == 0 else None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "world_size": size,

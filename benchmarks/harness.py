@@ -1,0 +1,63 @@
+"""What the benchmarks share: starting themselves through horarun, the raw torch.distributed
+peer group beside hora, the slowest rank's timings, and the report's small helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import hora
+
+
+def relaunch(script: str, np: int, forwarded: list[str]) -> int:
+    """Start ``script`` on ``np`` workers through horarun and return its exit status."""
+    command = [sys.executable, "-m", "hora.runner.launch", "-np", str(np)]
+    command += [sys.executable, os.path.abspath(script), *forwarded]
+    return subprocess.call(command)
+
+
+def init_raw_group(rank: int, size: int, prefix: str, timeout_s: float) -> None:
+    """torch.distributed's default group on Gloo, rendezvousing in the job's store under
+    ``prefix`` (hora's keys live under their own secret-derived namespace)."""
+    addr = os.environ["HORA_RENDEZVOUS_ADDR"]
+    port = int(os.environ["HORA_RENDEZVOUS_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+    )
+
+
+def slowest_rank(times: list[float]) -> list[float]:
+    """Per repetition, the longest time any rank measured (ranks that sat out report 0)."""
+    tensor = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def source_revision() -> str | None:
+    """The git commit of the hora checkout being measured (``None`` outside a git checkout)."""
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=os.path.dirname(os.path.abspath(hora.__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return None
+    return described.stdout.strip() or None
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
