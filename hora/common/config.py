@@ -94,6 +94,8 @@ class Settings:
         dynamic_process_sets: allow ``add_process_set`` after ``init``.
         disable_group_fusion: fuse the tensors of a group only with each other.
         log_level: ``TRACE``, ``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``.
+        steady_state: replay a repeating sequence of allreduces without negotiating each one
+            (``HORA_STEADY_STATE``, on by default; see docs/engine.md).
     """
 
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
@@ -106,6 +108,7 @@ class Settings:
     dynamic_process_sets: bool = False
     disable_group_fusion: bool = False
     log_level: str = "WARNING"
+    steady_state: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -125,6 +128,7 @@ class Settings:
             dynamic_process_sets=_bool("DYNAMIC_PROCESS_SETS", False, env),
             disable_group_fusion=_bool("DISABLE_GROUP_FUSION", False, env),
             log_level=(lookup("LOG_LEVEL", env) or "WARNING").upper(),
+            steady_state=_bool("STEADY_STATE", True, env),
         )
         settings.validate()
         return settings

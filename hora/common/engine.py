@@ -23,13 +23,13 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hora.common import fusion
+from hora.common import fusion, steady
 from hora.common.config import Settings
 from hora.common.dtypes import FLOATING, INTEGER
 from hora.common.errors import DUPLICATE_NAME, HoraInternalError, shut_down_message
@@ -47,7 +47,7 @@ from hora.common.rendezvous import (
 )
 from hora.common.stall import StallInspector
 from hora.common.topology import Topology
-from hora.common.transport import Communicator, TransportError
+from hora.common.transport import Communicator, Pending, TransportError
 
 logger = logging.getLogger("hora")
 
@@ -55,10 +55,19 @@ logger = logging.getLogger("hora")
 PARK_AFTER_IDLE_S = 0.005
 # How often a parked or waiting thread looks at the store for failures.
 WATCH_INTERVAL_S = 0.5
+# Started allreduces awaiting completion before the engine waits to start another.
+MAX_STARTED = 16
+# In the steady state, a user thread blocked on a result while the batch this rank needs
+# cannot fill makes the rank leave the schedule after this long (at least).
+STEADY_BLOCKED_GRACE_S = 0.02
 # A parked rank waits on its doorbell this long at most (a ring always comes first).
 PARKED_WAIT_S = 7 * 24 * 3600.0
 # How long a survivor waits for the launcher's (or other survivors') account of a failure.
 DIAGNOSE_WINDOW_S = 2.0
+
+
+# Called when a user thread starts (True) and stops (False) blocking on a handle.
+_wait_hook: Callable[[Handle, bool], None] | None = None
 
 
 class Handle:
@@ -88,7 +97,15 @@ class Handle:
         Raises:
             HoraInternalError: the operation failed on this rank.
         """
-        self._event.wait()
+        if not self._event.is_set():
+            hook = _wait_hook
+            if hook is not None:
+                hook(self, True)
+            try:
+                self._event.wait()
+            finally:
+                if hook is not None:
+                    hook(self, False)
         if self.error is not None:
             raise HoraInternalError(self.error)
         return self.results
@@ -201,6 +218,17 @@ class Engine:
         self._last_cycle_end = 0.0
         self._thread: threading.Thread | None = None
         self._watcher: _Watcher | None = None
+        self._finisher = _Finisher(self)
+        self._fail_lock = threading.Lock()
+        self._history = steady.History()
+        self._schedule: steady.Schedule | None = None
+        self._held: dict[str, Entry] = {}
+        self._awaiting: set[str] = set()
+        self._cuts: set[str] = set()
+        # Times the steady state was entered and left, and batches it ran (tests and tools read it).
+        self.steady_stats = {"entered": 0, "left": 0, "batches": 0}
+        self._steady_aborts = 0
+        self._blocked: dict[Handle, float] = {}
         self._control = self._connect("control", 0, self.rank, self.size)
         self._communicators[0] = self._connect("ps0", 0, self.rank, self.size)
         for ranks in process_sets or []:
@@ -220,10 +248,13 @@ class Engine:
             ) from exc
 
     def start(self) -> None:
+        global _wait_hook
         self._running = True
+        _wait_hook = self._note_blocked
         if self.size > 1:
             self._watcher = _Watcher(self, self._store.reconnect())
             self._watcher.start()
+        self._finisher.start()
         self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
         self._thread.start()
 
@@ -235,10 +266,17 @@ class Engine:
             self._wakeup.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.settings.gloo_timeout_s + 10)
+        if self._finisher.ident is not None and self._finisher is not threading.current_thread():
+            self._finisher.join(timeout=self.settings.gloo_timeout_s + 10)
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher.join(timeout=10.0)
-        finished = self._thread is None or not self._thread.is_alive()
+        global _wait_hook
+        if _wait_hook == self._note_blocked:
+            _wait_hook = None
+        finished = (self._thread is None or not self._thread.is_alive()) and not (
+            self._finisher.is_alive()
+        )
         for comm in [self._control, *self._communicators.values()]:
             # Tear groups down here rather than leave it to interpreter exit.
             if self._failure is not None or not finished:
@@ -290,7 +328,21 @@ class Engine:
             for entry in entries:
                 self._in_flight[entry.request.name] = entry
             self._queue.extend(entries)
-            self._wakeup.notify_all()
+            if self._schedule is None or self._completes_batch(entries):
+                self._wakeup.notify_all()
+
+    def _completes_batch(self, entries: list[Entry]) -> bool:
+        """In the steady state: whether these entries need the engine thread now."""
+        schedule = self._schedule
+        assert schedule is not None
+        wake = False
+        for entry in entries:
+            if not schedule.expects(entry.request):
+                wake = True
+            elif entry.request.name in self._awaiting:
+                self._awaiting.discard(entry.request.name)
+                wake = wake or not self._awaiting
+        return wake
 
     def register_process_set(self, ranks: tuple[int, ...], remove: bool = False) -> Handle:
         """Negotiate adding (or removing) a process set; the handle's result is its id."""
@@ -316,14 +368,34 @@ class Engine:
             while self._cycle():
                 pass
         except TransportError as exc:
-            self._fail(self._diagnose(str(exc)))
+            self._transport_failed(str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
             logger.exception("hora engine on rank %d stopped", self.rank)
-            self._fail(f"rank {self.rank}: the hora engine stopped: {exc!r}")
+            with self._fail_lock:
+                if self._failure is None:
+                    self._fail(f"rank {self.rank}: the hora engine stopped: {exc!r}")
         finally:
             self._running = False
+            self._finisher.stop()
+
+    def _transport_failed(self, error: str) -> None:
+        """A collective failed on this rank's engine or finisher thread: diagnose it once."""
+        with self._fail_lock:
+            if self._failure is None:
+                self._fail(self._diagnose(error))
+
+    def _note_blocked(self, handle: Handle, blocked: bool) -> None:
+        with self._wakeup:
+            if blocked:
+                self._blocked[handle] = time.monotonic()
+            else:
+                self._blocked.pop(handle, None)
+            if self._schedule is not None:
+                self._wakeup.notify_all()
 
     def _cycle(self) -> bool:
+        if self._schedule is not None:
+            return self._steady_cycle()
         self._wait_for_turn()
         new = self._drain()
         contributions = self._exchange(new)
@@ -334,6 +406,8 @@ class Engine:
         self._execute(responses)
         self._last_cycle_end = time.monotonic()
         if shutdown_reason is not None:
+            # Collectives started before the shutdown was agreed still deliver their results.
+            self._finisher.drain()
             self._finish(shut_down_message(shutdown_reason))
             return False
         if self._stall.due() and self._table:
@@ -341,6 +415,7 @@ class Engine:
             if reason is not None:
                 with self._wakeup:
                     self._shutdown_reason = self._shutdown_reason or reason
+        self._maybe_enter_steady_state()
         return True
 
     def _wait_for_turn(self) -> None:
@@ -408,6 +483,163 @@ class Engine:
             self._queue.clear()
             return new
 
+    # ----------------------------------------------------------------- steady state
+
+    def _maybe_enter_steady_state(self) -> None:
+        """After a cycle: start replaying if the agreed allreduces repeat (same on every rank)."""
+        if not self.settings.steady_state or self.size == 1 or self._table.pending:
+            return
+        if self._table.joined or self._shutdown_reason is not None:
+            return
+        period = self._history.period()
+        if period is None:
+            return
+        self._schedule = steady.build_schedule(
+            period, self.settings.fusion_threshold_bytes, self._cuts
+        )
+        self._history.clear()
+        self.steady_stats["entered"] += 1
+        logger.debug(
+            "rank %d: steady state, %d allreduces in %d batches per period",
+            self.rank,
+            len(period),
+            len(self._schedule.batches),
+        )
+
+    def _steady_cycle(self) -> bool:
+        """Run the schedule's next batch, or leave the steady state on a deviation."""
+        schedule = self._schedule
+        assert schedule is not None
+        batch = schedule.current
+        code, deviation = self._collect_batch(schedule)
+        entries = [] if code != steady.FOLLOWING else [self._take(r.name) for r in batch]
+        head = batch[0]
+        sizes = [r.num_elements for r in batch]
+        total = sum(sizes)
+        # One buffer per batch, reused every period: no allocation and no page faults per step.
+        # After the data, one slot per rank for its code (see hora.common.steady).
+        buffer = schedule.buffers.get(schedule.position)
+        if buffer is None or schedule.busy.get(schedule.position, False):
+            buffer = torch.empty(total + self.size, dtype=_torch_dtype(head.dtype))
+            schedule.buffers[schedule.position] = buffer
+        data, codes = buffer[:total], buffer[total:]
+        if code == steady.FOLLOWING:
+            pieces = [e.tensor.reshape(-1).to("cpu") for e in entries if e and e.tensor is not None]
+            torch.cat(pieces, out=data)
+            scaled = _scale(data, head.prescale)
+            if scaled is not data:
+                data.copy_(scaled)
+        else:
+            data.zero_()
+        codes.zero_()
+        codes[self.rank] = code
+        self._communicators[0].allreduce_async(buffer, ReduceOp.SUM).wait()
+        if bool(codes.any()):
+            self._leave_steady_state(deviation, entries, [int(c) for c in codes.tolist()])
+            return True
+        position = schedule.position
+        schedule.advance()
+        self.steady_stats["batches"] += 1
+        postscale = head.postscale
+        if head.reduce_op == ReduceOp.AVERAGE:
+            postscale /= self.size
+        done = [e for e in entries if e is not None]
+        schedule.busy[position] = True
+
+        def complete() -> None:
+            _scale_out(done, data, sizes, postscale)
+            schedule.busy[position] = False
+
+        self._finisher.add(_DONE, complete, done)
+        self._last_cycle_end = time.monotonic()
+        return True
+
+    def _collect_batch(self, schedule: steady.Schedule) -> tuple[int, str | None]:
+        """Wait until this rank holds every entry of the current batch, or say why it can't.
+
+        Returns:
+            (this rank's code for the batch, what deviated when it is not FOLLOWING).
+        """
+        needed = [r.name for r in schedule.current]
+        stall_after = self.settings.stall_check_time_s if self.settings.stall_check_enabled else 0
+        started = time.monotonic()
+        warned = False
+        with self._wakeup:
+            self._awaiting = set(needed)
+            while True:
+                while self._queue:
+                    entry = self._queue.popleft()
+                    self._held[entry.request.name] = entry
+                    if not schedule.expects(entry.request):
+                        return steady.DEVIATED, f"{entry.request.name} is not next in the schedule"
+                self._awaiting.difference_update(self._held)
+                if self._shutdown_reason is not None:
+                    return steady.DEVIATED, "shutdown"
+                if self._failure_seen():
+                    return steady.DEVIATED, "a failure was reported"
+                if not self._awaiting:
+                    for name in needed:
+                        del self._held[name]
+                    return steady.FOLLOWING, None
+                now = time.monotonic()
+                timeout = WATCH_INTERVAL_S
+                # A user blocked on a result this rank has not run yet: the batch may never
+                # fill (its user submits the rest only after the result). Results already
+                # running are not waited for here.
+                since = [
+                    self._blocked[e.handle]
+                    for e in self._held.values()
+                    if e.handle in self._blocked
+                ]
+                if since:
+                    waited = now - max(min(since), started)
+                    grace = max(STEADY_BLOCKED_GRACE_S, 10 * self.settings.cycle_time_ms / 1000)
+                    if waited >= grace:
+                        first = min(i for i, n in enumerate(needed) if n in self._awaiting)
+                        return steady.blocked_code(
+                            first
+                        ), f"a result is awaited before {needed[first]}"
+                    timeout = min(timeout, grace - waited)
+                if stall_after and not warned and now - started > stall_after:
+                    warned = True
+                    missing = [n for n in needed if n not in self._held]
+                    logger.warning(
+                        "rank %d has waited %.0f s to submit %s; the other ranks wait for it.",
+                        self.rank,
+                        now - started,
+                        ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
+                    )
+                self._wakeup.wait(timeout=timeout)
+
+    def _leave_steady_state(
+        self, deviation: str | None, entries: list[Entry | None], codes: list[int]
+    ) -> None:
+        """Some rank deviated (every rank sees the same codes): put entries back, negotiate.
+
+        A rank that was blocked names where its batch must be cut next time; every rank learns
+        the same cut, so the next schedule does not make a user wait on its own later tensors.
+        """
+        assert self._schedule is not None
+        self._cuts |= steady.cuts_from(self._schedule.current, codes)
+        with self._wakeup:
+            held = [e for e in entries if e is not None] + list(self._held.values())
+            for entry in held:
+                self._in_flight[entry.request.name] = entry
+            self._queue.extendleft(reversed(held))
+            self._held.clear()
+        self._schedule = None
+        self._history.clear()
+        self._steady_aborts += 1
+        self.steady_stats["left"] += 1
+        self._history.repeats = min(2 + self._steady_aborts, 10)
+        self._last_cycle_end = 0.0
+        logger.debug(
+            "rank %d: leaving the steady state (ranks' codes %s; here: %s)",
+            self.rank,
+            codes,
+            deviation or "following",
+        )
+
     # ----------------------------------------------------------------- negotiation
 
     def _exchange(self, new: list[Entry]) -> list[tuple[tuple[Request, ...], str | None]]:
@@ -474,6 +706,8 @@ class Engine:
             self._execute_batches(responses)
 
     def _execute_batches(self, responses: list[Response]) -> None:
+        for response in responses:
+            self._history.record(response)
         for batch in fusion.plan(
             responses, self.settings.fusion_threshold_bytes, self.settings.disable_group_fusion
         ):
@@ -525,6 +759,11 @@ class Engine:
             entry.handle._fail(message)
 
     def _allreduce(self, batch: list[Response], comm: Communicator) -> None:
+        """Start one fused allreduce; the finisher thread completes it.
+
+        The engine goes on negotiating (and starting) the next batches while this one is on
+        the wire, as gradients of earlier layers arrive during backward.
+        """
         entries = [self._take(r.names[0]) for r in batch]
         head = batch[0].template()
         inputs: list[torch.Tensor] = []
@@ -553,21 +792,15 @@ class Engine:
         if work_dtype != flat.dtype or device.type != "cpu":
             work = flat.to(device="cpu", dtype=work_dtype)
         work = _scale(work, head.prescale)
-        comm.allreduce(work, work_op)
-        work = _scale(work, postscale)
-        if work is not flat:
-            flat.copy_(work)
-        if len(inputs) > 1:
-            pairs = [
-                (_destination(e), piece)
-                for e, piece in zip(entries, flat.split([t.numel() for t in inputs]))
-            ]
-            outputs = [dest.reshape(-1) for dest, _ in pairs if dest is not None]
-            if outputs:
-                torch._foreach_copy_(outputs, [p for dest, p in pairs if dest is not None])
-        for entry in entries:
-            if entry is not None:
-                self._finish_entry(entry, _destination(entry))
+        pending = comm.allreduce_async(work, work_op)
+
+        def complete() -> None:
+            result = _scale(work, postscale)
+            if result is not flat:
+                flat.copy_(result)
+            _copy_out(entries, flat, [t.numel() for t in inputs])
+
+        self._finisher.add(pending, complete, [e for e in entries if e is not None])
 
     def _allgather(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
         entry = self._take(response.names[0])
@@ -669,6 +902,7 @@ class Engine:
         if response.kind == RequestType.ADD_PROCESS_SET:
             self._register_process_set(set_id, ranks)
         else:
+            self._finisher.drain()
             self.process_sets.remove(set_id)
             removed = self._communicators.pop(set_id, None)
             if removed is not None:
@@ -741,6 +975,52 @@ class Engine:
                 f"Rank {self.rank} saw: {error}"
             )
         return f"rank {self.rank}: a collective failed while every rank is still alive: {error}"
+
+
+def _copy_out(entries: Sequence[Entry | None], flat: torch.Tensor, sizes: list[int]) -> None:
+    """Copy pieces of a reduced buffer to the entries' destinations and finish them."""
+    pairs = [
+        (dest.reshape(-1), piece)
+        for dest, piece in zip(map(_destination, entries), flat.split(sizes))
+        if dest is not None and dest.data_ptr() != piece.data_ptr()
+    ]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [p for _, p in pairs])
+    for entry in entries:
+        if entry is not None:
+            entry.handle._set(entry.index, _finish_value(entry))
+
+
+def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], factor: float) -> None:
+    """Like :func:`_copy_out`, scaling by ``factor`` on the way (one pass over the data)."""
+    if factor == 1.0 or flat.dtype in (torch.float16, torch.bfloat16):
+        _copy_out(list(entries), _scale(flat, factor), sizes)
+        return
+    for entry, piece in zip(entries, flat.split(sizes)):
+        dest = _destination(entry)
+        if dest is None:
+            continue
+        if dest.device == piece.device and dest.dtype == piece.dtype and dest.is_contiguous():
+            torch.mul(piece, factor, out=dest.reshape(-1))
+        else:
+            dest.copy_(piece.mul(factor).view(dest.shape))
+    for entry in entries:
+        entry.handle._set(entry.index, _finish_value(entry))
+
+
+def _finish_value(entry: Entry) -> Any:
+    result = _destination(entry)
+    return entry.on_done(result) if entry.on_done is not None else result
+
+
+class _Done:
+    """A collective that already completed."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -836,3 +1116,67 @@ class _Watcher(threading.Thread):
         for comm in [engine._control, *engine._communicators.values()]:
             comm.abort()
         engine._wake(engine._parked_generation)
+
+
+class _Finisher(threading.Thread):
+    """Completes started allreduces in the order they were started.
+
+    Completing means scaling the result and copying it out of the fusion buffer into the
+    callers' tensors, then finishing their handles; it runs here so that the engine thread can
+    negotiate and start the next collectives meanwhile.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(name="hora-finisher", daemon=True)
+        self._engine = engine
+        self._cv = threading.Condition()
+        self._items: deque[tuple[Pending, Callable[[], None], list[Entry]]] = deque()
+        self._stopping = False
+
+    def add(self, pending: Pending, complete: Callable[[], None], entries: list[Entry]) -> None:
+        with self._cv:
+            while len(self._items) >= MAX_STARTED and self._engine.failure is None:
+                self._cv.wait(timeout=WATCH_INTERVAL_S)
+            self._items.append((pending, complete, entries))
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Return when everything started so far has completed or failed."""
+        if self is threading.current_thread():
+            return
+        with self._cv:
+            while self._items and self.is_alive():
+                self._cv.wait(timeout=WATCH_INTERVAL_S)
+
+    def stop(self) -> None:
+        """Finish what was started, then end."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def run(self) -> None:
+        engine = self._engine
+        while True:
+            with self._cv:
+                while not self._items and not self._stopping:
+                    self._cv.wait()
+                if not self._items:
+                    return
+                pending, complete, entries = self._items[0]
+            error: str | None = None
+            try:
+                pending.wait()
+                with torch.no_grad():
+                    complete()
+            except TransportError as exc:
+                engine._transport_failed(str(exc))
+                error = engine.failure or str(exc)
+            except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
+                logger.exception("hora could not complete an allreduce on rank %d", engine.rank)
+                error = f"rank {engine.rank}: completing an allreduce failed: {exc!r}"
+            if error is not None:
+                for entry in entries:
+                    entry.handle._fail(error)
+            with self._cv:
+                self._items.popleft()
+                self._cv.notify_all()

@@ -14,7 +14,8 @@ from collections.abc import Hashable
 from hora.common.message import RequestType, Response
 
 
-def _fusion_key(response: Response, disable_group_fusion: bool) -> Hashable:
+def fusion_key(response: Response, disable_group_fusion: bool = False) -> Hashable:
+    """Responses with equal keys may share one fused buffer."""
     t = response.template()
     group = t.group if disable_group_fusion else None
     return (
@@ -49,7 +50,7 @@ def plan(
             batches.append([response])
             continue
         size = response.num_bytes
-        key = _fusion_key(response, disable_group_fusion)
+        key = fusion_key(response, disable_group_fusion)
         current = open_batches.get(key)
         if current is not None and current[1] + size <= threshold_bytes:
             current[0].append(response)

@@ -16,6 +16,13 @@ class TransportError(RuntimeError):
     """A collective failed: a peer closed its connection, timed out, or the group was aborted."""
 
 
+class Pending(Protocol):
+    """A collective that was started and has not been waited for."""
+
+    def wait(self) -> None:
+        """Block until it is done; raise :class:`TransportError` if it failed."""
+
+
 class Communicator(Protocol):
     """Collectives among the members of one process set.
 
@@ -28,6 +35,13 @@ class Communicator(Protocol):
 
     def allreduce(self, buffer: Any, op: ReduceOp) -> None:
         """Reduce ``buffer`` element-wise across members, in place (Sum, Min, Max or Product)."""
+
+    def allreduce_async(self, buffer: Any, op: ReduceOp) -> Pending:
+        """Start :meth:`allreduce` and return at once; ``buffer`` is not touched after ``wait``.
+
+        Operations started on one communicator are matched across members in the order they
+        were started, so every member must start the same sequence.
+        """
 
     def allgather(self, outputs: Sequence[Any], buffer: Any) -> None:
         """Gather every member's ``buffer`` (all the same size) into ``outputs[member]``."""

@@ -41,6 +41,21 @@ def make_device(bind_address: str, interface: str) -> Any:
     return dist.ProcessGroupGloo.create_default_device()
 
 
+class _GlooPending:
+    """A started Gloo operation (``torch.distributed``'s ``Work``)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
+
+
 class GlooCommunicator:
     """A Gloo process group among ``size`` members, this process being member ``rank``.
 
@@ -73,9 +88,17 @@ class GlooCommunicator:
             raise TransportError(str(exc)) from exc
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp) -> None:
+        self.allreduce_async(buffer, op).wait()
+
+    def allreduce_async(self, buffer: torch.Tensor, op: ReduceOp) -> _GlooPending:
+        if self._aborted:
+            raise TransportError("the communicator was aborted")
         options = dist.AllreduceOptions()
         options.reduceOp = _REDUCE_OPS[op]
-        self._run(lambda: self._pg.allreduce([buffer], options))
+        try:
+            return _GlooPending(self._pg.allreduce([buffer], options))
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
 
     def allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         self._run(lambda: self._pg.allgather([list(outputs)], [buffer]))

@@ -1,0 +1,184 @@
+"""Steady state: replaying an agreed, repeating sequence of allreduces without negotiation.
+
+A training loop submits the same gradients, in the same order, every step. Once every rank has
+seen the agreed sequence of allreduces repeat (the same names and requests, twice in a row,
+with nothing else in between and nothing pending), every rank derives the same *schedule* from
+it: the period's responses, packed into fused batches. From then on each rank runs batch after
+batch as soon as its own tensors for the batch are there, with no negotiation round: the data
+allreduce is the only point where ranks meet, as in PyTorch DDP.
+
+Every batch carries one extra element, a *deviation flag*, reduced with the data. A rank that
+submits anything the schedule does not predict (another name, another shape, another kind of
+operation, a join, a shutdown), or whose user thread blocks on a result while the batch it
+needs cannot fill, contributes the flag instead of data. Every rank then sees the flag, puts
+the batch's tensors back in its queue untouched, and returns to negotiation at the same batch,
+so a deviation costs one wasted round and never a hang or a mismatched collective.
+
+This module holds the pure parts (period detection, schedule, matching); the engine runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hora.common import fusion
+from hora.common.message import ReduceOp, Request, RequestType, Response
+
+# Responses in the longest period looked for (names in one training step).
+MAX_PERIOD = 4096
+# Batches are cut at this size (or the fusion threshold, if smaller) so that communication
+# of the first gradients overlaps the rest of backward.
+BUCKET_BYTES = 25 * 1024 * 1024
+# The first batch is cut smaller still, so that communication starts early in backward.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
+
+# A rank's code for a batch, in its own slot after the data (exact in every floating dtype).
+FOLLOWING = 0  # it submitted exactly the batch's tensors
+DEVIATED = 1  # it submitted something else, or is shutting down
+_BLOCKED = 2  # its user waits on a result; + the index of its first missing tensor
+_MAX_INDEX = 200  # bfloat16 holds integers exactly up to 256
+
+
+def blocked_code(first_missing: int) -> int:
+    """The code of a rank whose user blocked before submitting ``batch[first_missing]``."""
+    return _BLOCKED + min(first_missing, _MAX_INDEX + 1)
+
+
+def cuts_from(batch: list[Request], codes: list[int]) -> set[str]:
+    """Names before which future batches must be cut, from every rank's code for ``batch``."""
+    cuts: set[str] = set()
+    for code in codes:
+        if code < _BLOCKED:
+            continue
+        index = code - _BLOCKED
+        if 0 < index <= _MAX_INDEX and index < len(batch):
+            cuts.add(batch[index].name)
+        elif index > _MAX_INDEX:
+            cuts.update(r.name for r in batch[1:])
+    return cuts
+
+
+def eligible(response: Response) -> bool:
+    """Whether an executed response can be part of a schedule."""
+    if response.kind != RequestType.ALLREDUCE or response.error is not None:
+        return False
+    if response.joined_ranks or response.process_set_id != 0:
+        return False
+    template = response.template()
+    return template.dtype in _FLOATING and template.reduce_op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+
+
+@dataclass
+class Schedule:
+    """The batches of one period, in order, and where this rank is in it."""
+
+    batches: list[list[Request]]
+    position: int = 0
+    index: dict[str, tuple[int, Request]] = field(default_factory=dict)
+    # Per batch: its reusable buffer, and whether a completion still reads it.
+    buffers: dict[int, Any] = field(default_factory=dict)
+    busy: dict[int, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for number, batch in enumerate(self.batches):
+            for request in batch:
+                self.index[request.name] = (number, request)
+
+    @property
+    def current(self) -> list[Request]:
+        return self.batches[self.position]
+
+    def advance(self) -> None:
+        self.position = (self.position + 1) % len(self.batches)
+
+    def expects(self, request: Request) -> bool:
+        """Whether ``request`` is one the rest of this period runs (same name and request)."""
+        found = self.index.get(request.name)
+        return found is not None and found[0] >= self.position and found[1] == request
+
+
+@dataclass
+class History:
+    """The agreed allreduces executed since the last thing a schedule cannot contain."""
+
+    responses: list[Response] = field(default_factory=list)
+    repeats: int = 2
+
+    def record(self, response: Response) -> None:
+        if not eligible(response):
+            self.responses.clear()
+            return
+        self.responses.append(response)
+        if len(self.responses) > self.repeats * MAX_PERIOD:
+            del self.responses[: len(self.responses) - self.repeats * MAX_PERIOD]
+
+    def clear(self) -> None:
+        self.responses.clear()
+
+    def period(self) -> list[Response] | None:
+        """The last period, if the history ends with it repeated ``repeats`` times."""
+        responses = self.responses
+        if not responses:
+            return None
+        last = responses[-1].names[0]
+        start = None
+        for i in range(len(responses) - 2, -1, -1):
+            if responses[i].names[0] == last:
+                start = i
+                break
+        if start is None:
+            return None
+        length = len(responses) - 1 - start
+        if length * self.repeats > len(responses):
+            return None
+        tail = responses[-length:]
+        names = [r.names[0] for r in tail]
+        if len(set(names)) != length:
+            return None
+        templates = [r.template() for r in tail]
+        for k in range(1, self.repeats):
+            earlier = responses[len(responses) - (k + 1) * length : len(responses) - k * length]
+            if [r.names[0] for r in earlier] != names:
+                return None
+            if [r.template() for r in earlier] != templates:
+                return None
+        return tail
+
+
+def build_schedule(
+    period: list[Response],
+    fusion_threshold_bytes: int,
+    cuts: set[str] | frozenset[str] = frozenset(),
+) -> Schedule:
+    """Cut a period into batches, in order, as PyTorch DDP cuts gradients into buckets.
+
+    A batch closes once it holds ``FIRST_BUCKET_BYTES`` (the first) or ``BUCKET_BYTES`` (the
+    others), the tensor that crosses the mark included, so that the first allreduce starts
+    early in backward. Batches never exceed the fusion threshold (0: every tensor alone) and
+    only hold responses that could share a fused buffer. A batch also ends before any name in
+    ``cuts``: a point where some rank's user waited for a result before submitting more.
+    """
+    batches: list[list[Request]] = []
+    current: list[Response] = []
+    size = 0
+    mark = FIRST_BUCKET_BYTES
+    for response in period:
+        nbytes = response.num_bytes
+        if current and (
+            response.names[0] in cuts
+            or fusion.fusion_key(response) != fusion.fusion_key(current[0])
+            or size + nbytes > fusion_threshold_bytes
+        ):
+            batches.append([r.template() for r in current])
+            current, size = [], 0
+        current.append(response)
+        size += nbytes
+        if size >= mark:
+            batches.append([r.template() for r in current])
+            current, size, mark = [], 0, BUCKET_BYTES
+    if current:
+        batches.append([r.template() for r in current])
+    return Schedule(batches)

@@ -1,0 +1,156 @@
+"""The steady state on real processes: a repeating sequence of allreduces runs without
+negotiation, and anything that breaks the pattern falls back to negotiation with correct
+results, the same errors as without it, and no hang.
+
+Tensors hold small integers, so sums are exact whatever the fusion layout or reduction order,
+and every result can be checked exactly inside the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .jobs import run_failing_job, run_job
+
+# Sizes chosen so that one period is cut into several batches (the first closes past 1 MiB).
+SIZES = (1000, 300_000, 10, 200_000, 50, 400_000)
+STEPS = 14
+
+
+def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    def grad(i: int, step: int, who: int, numel: int) -> torch.Tensor:
+        return (torch.arange(numel) % 7 + who + step + i).float()
+
+    def expected(i: int, step: int, numel: int) -> torch.Tensor:
+        total = sum(grad(i, step, r, numel) for r in range(size))
+        assert isinstance(total, torch.Tensor)
+        return total / size
+
+    worst = 0.0
+    results: dict[str, Any] = {}
+    for step in range(steps):
+        if variant == "dies" and step == 8 and rank == 1:
+            os._exit(3)
+        if variant == "metric_first":
+            # A synchronous op before the gradients: the user waits on it every step.
+            metric = hvd.allreduce(torch.tensor([float(rank + step)]), name="metric")
+            worst = max(worst, abs(float(metric) - (step + (size - 1) / 2)))
+        order = list(range(len(SIZES)))
+        if variant == "reversed" and step % 3 == 1 and rank == 0:
+            order.reverse()
+        extra_first = variant == "extra_op" and step == 6 and rank == 0
+        extra_last = variant == "extra_op" and step == 6 and rank != 0
+        handles = []
+        if extra_first:
+            handles.append(("x", hvd.allreduce_async(torch.ones(3), name="extra", op=hvd.Sum)))
+        for i in order:
+            numel = SIZES[i]
+            if variant == "mismatch" and step == 7 and rank == 1 and i == 2:
+                numel += 1
+            tensor = grad(i, step, rank, numel)
+            handles.append((i, hvd.allreduce_async_(tensor, name=f"grad.{i}")))
+        if extra_last:
+            handles.append(("x", hvd.allreduce_async(torch.ones(3), name="extra", op=hvd.Sum)))
+        for i, handle in handles:
+            try:
+                out = hvd.synchronize(handle)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                results.setdefault("errors", []).append(f"step {step}: {exc}")
+                continue
+            if i == "x":
+                worst = max(worst, float((out - size).abs().max()))
+            else:
+                assert isinstance(i, int)
+                worst = max(worst, float((out - expected(i, step, SIZES[i])).abs().max()))
+        if "errors" in results:
+            break
+    engine = basics._state.engine
+    assert engine is not None
+    results["stats"] = dict(engine.steady_stats)
+    results["worst"] = worst
+    hvd.shutdown()
+    return results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_repeating_loop_runs_in_the_steady_state(np: int) -> None:
+    for result in run_job(_steady_worker, np, "plain", STEPS):
+        assert result["worst"] == 0.0
+        stats = result["stats"]
+        assert stats["entered"] == 1 and stats["left"] == 0, stats
+        # Two steps are negotiated to learn the period; most of the rest are replayed.
+        assert stats["batches"] >= (STEPS - 4) * 2, stats
+
+
+@pytest.mark.timeout(120)
+def test_the_steady_state_can_be_turned_off() -> None:
+    env = {"HORA_STEADY_STATE": "0"}
+    for result in run_job(_steady_worker, 2, "plain", 6, env=env):
+        assert result["worst"] == 0.0
+        assert result["stats"] == {"entered": 0, "left": 0, "batches": 0}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_an_op_outside_the_pattern_falls_back_and_the_pattern_resumes(np: int) -> None:
+    # At step 6 rank 0 submits an extra allreduce before its gradients, the others after.
+    for result in run_job(_steady_worker, np, "extra_op", STEPS + 4):
+        assert "errors" not in result, result
+        assert result["worst"] == 0.0
+        stats = result["stats"]
+        assert stats["left"] == 1 and stats["entered"] == 2, stats
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_submitting_in_another_order_stays_in_the_steady_state() -> None:
+    for result in run_job(_steady_worker, 2, "reversed", STEPS):
+        assert result["worst"] == 0.0
+        assert result["stats"]["left"] == 0, result["stats"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_user_waiting_inside_a_batch_teaches_the_schedule_where_to_cut(np: int) -> None:
+    # Each step waits on a small allreduce before submitting the gradients. The first schedule
+    # fuses it with the first gradients; the wait makes every rank leave the steady state once
+    # and cut the batch there the next time.
+    for result in run_job(_steady_worker, np, "metric_first", STEPS + 6):
+        assert "errors" not in result, result
+        assert result["worst"] == 0.0
+        stats = result["stats"]
+        assert stats["left"] == 1 and stats["entered"] == 2, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_shape_mismatch_in_the_steady_state_gets_the_usual_error(np: int) -> None:
+    for rank, result in enumerate(run_job(_steady_worker, np, "mismatch", STEPS)):
+        errors = result.get("errors", [])
+        assert errors, f"rank {rank} saw no error"
+        assert "grad.2" in errors[0] and "shape" in errors[0], errors[0]
+        assert errors[0].startswith("step 7"), errors[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_rank_dying_in_the_steady_state_is_named(np: int) -> None:
+    error = run_failing_job(_steady_worker, np, "dies", STEPS)
+    assert "rank 1" in str(error)
+    for rank, result in error.results.items():
+        if rank == 1:
+            continue
+        errors = result.get("errors", []) if isinstance(result, dict) else []
+        assert errors and "rank 1" in errors[0], result
