@@ -132,6 +132,8 @@ class Entry:
     handle: Handle
     index: int = 0
     on_done: Callable[[Any], Any] | None = field(default=None)
+    # The steady-state schedule whose batch buffer already holds this entry's tensor.
+    staged: steady.Schedule | None = None
 
 
 def _compute_dtype(dtype: torch.dtype, op: ReduceOp) -> tuple[torch.dtype, ReduceOp]:
@@ -327,9 +329,26 @@ class Engine:
                 raise ValueError(DUPLICATE_NAME.format(name=names[0]))
             for entry in entries:
                 self._in_flight[entry.request.name] = entry
+            if self._schedule is not None:
+                self._stage(self._schedule, entries)
             self._queue.extend(entries)
             if self._schedule is None or self._completes_batch(entries):
                 self._wakeup.notify_all()
+
+    def _stage(self, schedule: steady.Schedule, entries: list[Entry]) -> None:
+        """Copy expected tensors into their batch's buffer now, on the submitting thread.
+
+        As DDP fills its buckets from autograd hooks, this overlaps the copy with the rest of
+        backward instead of adding it to the critical path after the last gradient.
+        """
+        for entry in entries:
+            if entry.tensor is None or not schedule.expects(entry.request):
+                continue
+            number, offset = schedule.slots[entry.request.name]
+            buffer = schedule.buffers[number]
+            with torch.no_grad():
+                buffer[offset : offset + entry.request.num_elements].copy_(entry.tensor.reshape(-1))
+            entry.staged = schedule
 
     def _completes_batch(self, entries: list[Entry]) -> bool:
         """In the steady state: whether these entries need the engine thread now."""
@@ -395,7 +414,9 @@ class Engine:
 
     def _cycle(self) -> bool:
         if self._schedule is not None:
-            return self._steady_cycle()
+            # Results are written into the caller's tensors outside autograd, as in _execute.
+            with torch.no_grad():
+                return self._steady_cycle()
         self._wait_for_turn()
         new = self._drain()
         contributions = self._exchange(new)
@@ -494,16 +515,19 @@ class Engine:
         period = self._history.period()
         if period is None:
             return
-        self._schedule = steady.build_schedule(
-            period, self.settings.fusion_threshold_bytes, self._cuts
-        )
+        schedule = steady.build_schedule(period, self.settings.fusion_threshold_bytes, self._cuts)
+        for batch in schedule.batches:
+            numel = sum(r.num_elements for r in batch) + self.size
+            schedule.buffers.append(torch.empty(numel, dtype=_torch_dtype(batch[0].dtype)))
+        with self._wakeup:
+            self._schedule = schedule
         self._history.clear()
         self.steady_stats["entered"] += 1
         logger.debug(
             "rank %d: steady state, %d allreduces in %d batches per period",
             self.rank,
             len(period),
-            len(self._schedule.batches),
+            len(schedule.batches),
         )
 
     def _steady_cycle(self) -> bool:
@@ -516,16 +540,14 @@ class Engine:
         head = batch[0]
         sizes = [r.num_elements for r in batch]
         total = sum(sizes)
-        # One buffer per batch, reused every period: no allocation and no page faults per step.
-        # After the data, one slot per rank for its code (see hora.common.steady).
-        buffer = schedule.buffers.get(schedule.position)
-        if buffer is None or schedule.busy.get(schedule.position, False):
-            buffer = torch.empty(total + self.size, dtype=_torch_dtype(head.dtype))
-            schedule.buffers[schedule.position] = buffer
+        # One buffer per batch, reused every period (no allocation, no page faults per step);
+        # after the data, one slot per rank for its code (see hora.common.steady).
+        buffer = schedule.buffers[schedule.position]
         data, codes = buffer[:total], buffer[total:]
         if code == steady.FOLLOWING:
-            pieces = [e.tensor.reshape(-1).to("cpu") for e in entries if e and e.tensor is not None]
-            torch.cat(pieces, out=data)
+            for entry, piece in zip(entries, data.split(sizes)):
+                if entry is not None and entry.tensor is not None and entry.staged is not schedule:
+                    piece.copy_(entry.tensor.reshape(-1))
             scaled = _scale(data, head.prescale)
             if scaled is not data:
                 data.copy_(scaled)
@@ -537,20 +559,14 @@ class Engine:
         if bool(codes.any()):
             self._leave_steady_state(deviation, entries, [int(c) for c in codes.tolist()])
             return True
-        position = schedule.position
         schedule.advance()
         self.steady_stats["batches"] += 1
         postscale = head.postscale
         if head.reduce_op == ReduceOp.AVERAGE:
             postscale /= self.size
-        done = [e for e in entries if e is not None]
-        schedule.busy[position] = True
-
-        def complete() -> None:
-            _scale_out(done, data, sizes, postscale)
-            schedule.busy[position] = False
-
-        self._finisher.add(_DONE, complete, done)
+        # Completed here rather than on the finisher: the next batch cannot start before this
+        # one is done anyway, and a hand-off between threads costs more than the copy.
+        _scale_out([e for e in entries if e is not None], data, sizes, postscale)
         self._last_cycle_end = time.monotonic()
         return True
 
@@ -627,7 +643,7 @@ class Engine:
                 self._in_flight[entry.request.name] = entry
             self._queue.extendleft(reversed(held))
             self._held.clear()
-        self._schedule = None
+            self._schedule = None
         self._history.clear()
         self._steady_aborts += 1
         self.steady_stats["left"] += 1
@@ -1011,16 +1027,6 @@ def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], facto
 def _finish_value(entry: Entry) -> Any:
     result = _destination(entry)
     return entry.on_done(result) if entry.on_done is not None else result
-
-
-class _Done:
-    """A collective that already completed."""
-
-    def wait(self) -> None:
-        return None
-
-
-_DONE = _Done()
 
 
 def _ranks(ranks: list[int]) -> str:

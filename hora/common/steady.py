@@ -78,14 +78,18 @@ class Schedule:
     batches: list[list[Request]]
     position: int = 0
     index: dict[str, tuple[int, Request]] = field(default_factory=dict)
-    # Per batch: its reusable buffer, and whether a completion still reads it.
-    buffers: dict[int, Any] = field(default_factory=dict)
-    busy: dict[int, bool] = field(default_factory=dict)
+    # Per name: its batch and its offset (in elements) in the batch's buffer.
+    slots: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per batch: its buffer (the engine allocates them), reused every period.
+    buffers: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for number, batch in enumerate(self.batches):
+            offset = 0
             for request in batch:
                 self.index[request.name] = (number, request)
+                self.slots[request.name] = (number, offset)
+                offset += request.num_elements
 
     @property
     def current(self) -> list[Request]:
