@@ -296,7 +296,9 @@ class Engine:
             return
         try:
             self._store.store.compare_set(
-                self._store.key(CAUSE_KEY), "", sign(self._store.secret, text.encode())
+                self._store.key(CAUSE_KEY),
+                "",
+                sign(self._store.secret, text.encode(), key=CAUSE_KEY),
             )
         except Exception:  # noqa: BLE001 - best effort while exiting
             pass
@@ -466,7 +468,7 @@ class Engine:
             if generation > 1:
                 self._store.delete(f"g{self._generation}/wake/{generation - 1}")
             # Whoever reports a failure rings the doorbell named here, to wake parked ranks.
-            self._store.store.set(self._store.key(PARKED_KEY), wake_key.encode())
+            self._store.set_signed(PARKED_KEY, wake_key.encode())
         assert self._watcher is not None
         self._watcher.watch(generation)
         ring = False

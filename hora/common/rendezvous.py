@@ -1,12 +1,17 @@
 """The job's key-value store as workers see it: namespaced keys and authenticated values.
 
-The launcher runs a ``torch.distributed.TCPStore``. That store has no access control, so hora
-protects what it puts there in two ways:
+``horarun`` runs a ``torch.distributed.TCPStore``; under other launchers rank 0 runs one, or hora
+uses the launcher's own (torchrun's agent store) under a key prefix (see
+:mod:`hora.common.joining`). That store has no access control, so hora protects what it puts
+there in two ways:
 
 * every key lives under a namespace derived from the per-job secret, so a process that does not
   know the secret cannot name (read, overwrite or wait on) any of the job's keys;
 * every value hora itself parses is signed with HMAC-SHA256 under the secret, and verified before
-  it is decoded. Nothing is ever unpickled before its signature checks out.
+  it is decoded. Nothing is ever unpickled before its signature checks out;
+* a value written through :meth:`StoreClient.set_signed` is signed together with its key's name
+  (under a key derived from the secret for that purpose), so a signed value copied to another key
+  (a replayed or relabelled value) is rejected too.
 
 This module knows stores and bytes; it does not know the engine.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -51,28 +57,100 @@ def namespace_for(secret: str) -> str:
     return "hora-" + hashlib.sha256(b"hora-namespace:" + secret.encode()).hexdigest()[:32]
 
 
-def sign(secret: str, data: bytes) -> bytes:
-    """``data`` preceded by its HMAC-SHA256 tag under ``secret``."""
-    tag = hmac.new(secret.encode(), data, hashlib.sha256).digest()
-    return tag + data
+def _tag(secret: str, data: bytes, key: str | None) -> bytes:
+    if key is None:
+        return hmac.new(secret.encode(), data, hashlib.sha256).digest()
+    # Values bound to a store key use their own HMAC key, derived from the secret, so a keyed tag
+    # can never be mistaken for an unkeyed one (or the reverse). The key name is length-prefixed
+    # so that no (key, data) pair signs the same bytes as another.
+    keyed_secret = hashlib.sha256(b"hora-store-value:" + secret.encode()).digest()
+    name = key.encode()
+    message = len(name).to_bytes(4, "big") + name + data
+    return hmac.new(keyed_secret, message, hashlib.sha256).digest()
 
 
-def verify(secret: str, blob: bytes, what: str = "value") -> bytes:
+def sign(secret: str, data: bytes, key: str | None = None) -> bytes:
+    """``data`` preceded by its HMAC-SHA256 tag under ``secret``.
+
+    Args:
+        secret: the job secret (hex).
+        data: the bytes to protect.
+        key: the store key the value is written under; when given, the tag covers it too, and
+            the blob verifies only under that key.
+    """
+    return _tag(secret, data, key) + data
+
+
+def verify(secret: str, blob: bytes, what: str = "value", key: str | None = None) -> bytes:
     """The data inside a signed blob.
 
+    Args:
+        secret: the job secret (hex).
+        blob: what :func:`sign` returned.
+        what: how to name the value in an error.
+        key: the store key the value was read from, when it was signed with one.
+
     Raises:
-        AuthenticationError: the tag does not match (wrong secret, or the blob was forged).
+        AuthenticationError: the tag does not match (wrong secret, a forged blob, or a signed
+            value moved from another key).
     """
     if len(blob) < TAG_BYTES:
         raise AuthenticationError(f"rejected an unsigned {what} (too short to carry a signature)")
     tag, data = blob[:TAG_BYTES], blob[TAG_BYTES:]
-    expected = hmac.new(secret.encode(), data, hashlib.sha256).digest()
-    if not hmac.compare_digest(tag, expected):
+    if not hmac.compare_digest(tag, _tag(secret, data, key)):
+        where = (
+            "" if key is None else f" for key {key!r} (it may have been copied from another key)"
+        )
         raise AuthenticationError(
-            f"rejected a {what} that was not signed with this job's secret; another process "
-            "may be writing to the job's rendezvous port"
+            f"rejected a {what} that was not signed with this job's secret{where}; another "
+            "process may be writing to the job's rendezvous port"
         )
     return data
+
+
+def start_store_server(bind_address: str, port: int, timeout_s: float) -> tuple[Any, int]:
+    """Start a ``TCPStore`` server listening only on ``bind_address``.
+
+    The listening socket is created here, bound to that one address (``TCPStore`` alone would
+    listen on every interface), and handed to the store.
+
+    Args:
+        bind_address: an IP address of this host (``127.0.0.1`` for a job on this host).
+        port: the port, or 0 for one chosen by the OS.
+        timeout_s: how long the server's own operations may block.
+
+    Returns:
+        ``(server, port)``; keep ``server`` referenced for as long as the store must live.
+
+    Raises:
+        OSError: the address is not this host's, or the port is taken.
+    """
+    import torch.distributed
+
+    dist: Any = torch.distributed
+
+    family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind_address, port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    bound_port = int(listener.getsockname()[1])
+    server = dist.TCPStore(
+        bind_address,
+        bound_port,
+        None,
+        True,
+        timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
+    # The store now owns the listening socket's file descriptor.
+    listener.detach()
+    return server, bound_port
 
 
 class StoreClient:
@@ -83,9 +161,13 @@ class StoreClient:
         port: the store's port.
         secret: the job secret (hex).
         timeout_s: how long a ``get``/``wait`` may block before failing.
+        prefix: put in front of every key (a job's space inside a store it shares, such as
+            torchrun's agent store).
     """
 
-    def __init__(self, addr: str, port: int, secret: str, timeout_s: float) -> None:
+    def __init__(
+        self, addr: str, port: int, secret: str, timeout_s: float, prefix: str = ""
+    ) -> None:
         import torch.distributed
 
         dist: Any = torch.distributed
@@ -94,6 +176,7 @@ class StoreClient:
         self.port = port
         self.secret = secret
         self.timeout_s = timeout_s
+        self.prefix = prefix
         if addr:
             try:
                 self.store: Any = dist.TCPStore(
@@ -112,7 +195,7 @@ class StoreClient:
                 ) from exc
         else:
             self.store = dist.HashStore()
-        self.namespace = namespace_for(secret)
+        self.namespace = prefix + namespace_for(secret)
 
     def reconnect(self) -> StoreClient:
         """A second, independent connection (a blocked ``wait`` holds its connection)."""
@@ -120,7 +203,7 @@ class StoreClient:
             clone = object.__new__(StoreClient)
             clone.__dict__.update(self.__dict__)
             return clone
-        return StoreClient(self.addr, self.port, self.secret, self.timeout_s)
+        return StoreClient(self.addr, self.port, self.secret, self.timeout_s, self.prefix)
 
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
@@ -134,12 +217,18 @@ class StoreClient:
         return dist.PrefixStore(f"{self.namespace}/{scope}/", self.store)
 
     def set_signed(self, name: str, data: bytes) -> None:
-        self.store.set(self.key(name), sign(self.secret, data))
+        """Write ``data`` under ``name``, signed together with the key's name."""
+        self.store.set(self.key(name), sign(self.secret, data, key=name))
 
     def get_signed(self, name: str) -> bytes:
-        """The verified value of a key (blocks until it exists, up to the store timeout)."""
+        """The verified value of a key (blocks until it exists, up to the store timeout).
+
+        Raises:
+            AuthenticationError: the value was not written by :meth:`set_signed` of this job
+                under this very key.
+        """
         blob = bytes(self.store.get(self.key(name)))
-        return verify(self.secret, blob, what=f"store value {name!r}")
+        return verify(self.secret, blob, what=f"store value {name!r}", key=name)
 
     def check(self, name: str) -> bool:
         return bool(self.store.check([self.key(name)]))
@@ -168,5 +257,5 @@ def report_failure(store: StoreClient, text: str) -> None:
     except RuntimeError:
         pass
     if store.check(PARKED_KEY):
-        wake_key = bytes(store.store.get(store.key(PARKED_KEY))).decode(errors="replace")
+        wake_key = store.get_signed(PARKED_KEY).decode(errors="replace")
         store.set_signed(wake_key, b"")

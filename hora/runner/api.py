@@ -74,7 +74,6 @@ def run(
         >>> hora.run(work, np=2)
         [0, 1]
     """
-    from hora.common.rendezvous import verify
     from hora.runner.rendezvous import RendezvousServer
 
     slots = assign_slots(parse_hosts(f"localhost:{np}"), np)
@@ -96,9 +95,7 @@ def run(
         for rank in range(np):
             key = result_key(rank)
             if server.client.check(key):
-                status, value = cloudpickle.loads(
-                    verify(server.secret, bytes(server.client.store.get(server.client.key(key))))
-                )
+                status, value = cloudpickle.loads(server.client.get_signed(key))
                 if status == "ok":
                     results[rank] = value
                 else:

@@ -1,11 +1,14 @@
-"""Hosts and slots: parsing ``-H host:slots,...`` and assigning ranks to slots.
+"""Hosts and slots: parsing ``-H host:slots,...`` and hostfiles, and assigning ranks to slots.
 
 This module knows host names and counts; it does not start processes.
 """
 
 from __future__ import annotations
 
+import re
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -67,6 +70,7 @@ def parse_hosts(text: str) -> list[Host]:
             name, count = item, "1"
         if not name:
             raise HostError(f"host list entry {item!r} has no host name.")
+        _check_name(name, item)
         try:
             slots = int(count)
         except ValueError:
@@ -80,6 +84,55 @@ def parse_hosts(text: str) -> list[Host]:
         seen.add(name)
         hosts.append(Host(name, slots))
     return hosts
+
+
+_NAME = re.compile(r"^[\w.@-]+$")
+
+
+def _check_name(name: str, item: str) -> None:
+    if name.startswith("-") or not _NAME.match(name):
+        raise HostError(
+            f"host entry {item!r}: {name!r} is not a host name or address "
+            "(letters, digits, '.', '-', '_' and '@' only)."
+        )
+
+
+def parse_hostfile(path: str) -> list[Host]:
+    """Read a hostfile: one host per line, as ``host slots=N`` (Horovod's and Open MPI's form)
+    or ``host:N``; a bare host means one slot. ``#`` starts a comment; blank lines are skipped.
+
+    Raises:
+        HostError: the file cannot be read, or a line is malformed (the message gives its number).
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise HostError(f"cannot read hostfile {path!r}: {exc.strerror}.") from None
+    entries: list[str] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        name, slots = words[0], "1"
+        if len(words) == 1 and ":" in name:
+            name, _, slots = name.rpartition(":")
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if key == "slots" and sep:
+                slots = value
+            elif key != "max_slots" or not sep:
+                raise HostError(
+                    f"{path}, line {number}: cannot read {raw.strip()!r}; write `host slots=N` "
+                    "or `host:N`."
+                )
+        entries.append(f"{name}:{slots}")
+    if not entries:
+        raise HostError(f"hostfile {path!r} lists no hosts.")
+    try:
+        return parse_hosts(",".join(entries))
+    except HostError as exc:
+        raise HostError(f"{path}: {exc}") from None
 
 
 def assign_slots(hosts: list[Host], np: int) -> list[Slot]:
@@ -123,7 +176,28 @@ def assign_slots(hosts: list[Host], np: int) -> list[Slot]:
     return slots
 
 
-def is_local(name: str) -> bool:
-    import socket
+def local_addresses() -> set[str]:
+    """Every IP address held by an interface of this machine."""
+    import psutil
 
-    return name in LOCAL_NAMES or name == socket.gethostname()
+    return {
+        entry.address.split("%", 1)[0]
+        for entries in psutil.net_if_addrs().values()
+        for entry in entries
+        if entry.family in (socket.AF_INET, socket.AF_INET6)
+    }
+
+
+def is_local(name: str) -> bool:
+    """Whether ``name`` is this machine: a loopback name, its host name, or one of its addresses.
+
+    Workers on this machine are started directly; every other host is reached over SSH.
+    """
+    if name in LOCAL_NAMES or name == socket.gethostname():
+        return True
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(name, None)}
+    except (OSError, UnicodeError):
+        return False
+    mine = local_addresses()
+    return any(str(a).startswith("127.") or a in mine for a in resolved)

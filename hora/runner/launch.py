@@ -1,12 +1,15 @@
-"""``horarun``: start a training script on N worker processes.
+"""``horarun``: start a training script on N worker processes, on this machine or over SSH.
 
 Usage::
 
     horarun -np 2 python train.py
     horarun -np 4 -H localhost:4 --output-filename logs/ python train.py
+    horarun -np 8 -H node1:4,node2:4 python train.py
+    horarun -np 8 --hostfile hosts.txt --config-file horovod.yaml python train.py
 
-Flags follow ``horovodrun``. This release launches on this machine; hosts other than this one
-are rejected with a clear message. Importing this module never imports PyTorch.
+Flags follow ``horovodrun`` (see :mod:`hora.runner.options`). The launch reads as an outline:
+parse the flags, plan the job (hosts, slots, the SSH check, the store's address), start the store
+and the workers, supervise them, report. Importing this module never imports PyTorch.
 """
 
 from __future__ import annotations
@@ -14,102 +17,32 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from hora.runner.hosts import HostError, assign_slots, is_local, parse_hosts
+from hora.runner import options
+from hora.runner.hosts import (
+    HostError,
+    Slot,
+    assign_slots,
+    is_local,
+    parse_hostfile,
+    parse_hosts,
+)
+from hora.runner.remote import (
+    CONNECT_TIMEOUT_S,
+    SshSettings,
+    check_hosts,
+    rendezvous_address,
+)
 from hora.runner.supervisor import OutputForwarder, Supervisor, install_signal_handlers
 
 # Variables not passed to workers (as horovodrun).
 _DROPPED_ENV = ("OLDPWD",)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="horarun",
-        description="Launch a hora (Horovod-compatible) training job.",
-    )
-    parser.add_argument("-v", "--version", action="store_true", help="print hora's version")
-    parser.add_argument(
-        "-np", "--num-proc", dest="np", type=int, default=None, help="number of worker processes"
-    )
-    parser.add_argument(
-        "-H",
-        "--hosts",
-        default=None,
-        help="hosts and slots, e.g. localhost:4 (default: localhost:NP)",
-    )
-    parser.add_argument("--verbose", action="store_true", help="print what horarun does")
-    parser.add_argument(
-        "--output-filename",
-        default=None,
-        help="also write each rank's output to DIR/rank.N/{stdout,stderr}",
-    )
-    parser.add_argument(
-        "--prefix-output-with-timestamp",
-        action="store_true",
-        help="add the time to each forwarded output line",
-    )
-    parser.add_argument(
-        "--disable-output-prefix",
-        action="store_true",
-        help="forward output without the [rank]<stream>: prefix",
-    )
-    parser.add_argument(
-        "--fusion-threshold-mb",
-        type=float,
-        default=None,
-        help="fusion buffer size in MiB (HORA_FUSION_THRESHOLD)",
-    )
-    parser.add_argument(
-        "--cycle-time-ms",
-        type=float,
-        default=None,
-        help="negotiation cycle time in ms (HORA_CYCLE_TIME)",
-    )
-    parser.add_argument(
-        "--cache-capacity",
-        type=int,
-        default=None,
-        help="response cache entries (HORA_CACHE_CAPACITY)",
-    )
-    parser.add_argument(
-        "--start-timeout",
-        type=float,
-        default=None,
-        help="seconds workers may take to reach the rendezvous",
-    )
-    parser.add_argument(
-        "--gloo-timeout-seconds",
-        type=float,
-        default=None,
-        help="seconds one collective may wait for a peer",
-    )
-    parser.add_argument(
-        "--log-level", default=None, choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"]
-    )
-    parser.add_argument("--gloo", action="store_true", help="use Gloo (the default; accepted)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
-    return parser
-
-
-def _settings_env(args: argparse.Namespace) -> dict[str, str]:
-    env: dict[str, str] = {}
-    if args.fusion_threshold_mb is not None:
-        env["HORA_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
-    if args.cycle_time_ms is not None:
-        env["HORA_CYCLE_TIME"] = str(args.cycle_time_ms)
-    if args.cache_capacity is not None:
-        env["HORA_CACHE_CAPACITY"] = str(args.cache_capacity)
-    if args.start_timeout is not None:
-        env["HORA_START_TIMEOUT"] = str(args.start_timeout)
-    if args.gloo_timeout_seconds is not None:
-        env["HORA_GLOO_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
-    if args.log_level is not None:
-        env["HORA_LOG_LEVEL"] = args.log_level
-    return env
-
-
 def worker_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """A worker's environment: ``base`` less what must not be passed on, plus ``extra``."""
     env = {
         k: v for k, v in base.items() if k not in _DROPPED_ENV and not k.startswith("BASH_FUNC_")
     }
@@ -118,56 +51,133 @@ def worker_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where every rank runs and how the workers find each other.
+
+    Attributes:
+        slots: one per rank.
+        remote_hosts: the hosts reached over SSH (every other host is this machine).
+        bind_address: where the job's store listens.
+        interface_env: the network-interface variables every worker gets (from the flags);
+            without them each worker's watchdog picks the interface that reaches the store.
+        ssh: how hosts are reached.
+    """
+
+    slots: list[Slot]
+    remote_hosts: list[str]
+    bind_address: str
+    interface_env: dict[str, str]
+    ssh: SshSettings
+
+
+def plan_job(args: argparse.Namespace, say: Callable[[str], None]) -> Plan:
+    """Resolve hosts and slots, check SSH to every remote host, and pick the store's address.
+
+    Raises:
+        HostError: the hosts cannot be used or reached; nothing has been started.
+    """
+    if args.hostfile:
+        hosts = parse_hostfile(args.hostfile)
+    else:
+        hosts = parse_hosts(args.hosts or f"localhost:{args.np}")
+    slots = assign_slots(hosts, args.np)
+    used = list(dict.fromkeys(slot.hostname for slot in slots))
+    remote_hosts = [name for name in used if not is_local(name)]
+    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
+    ssh = SshSettings(
+        port=args.ssh_port,
+        identity_file=args.ssh_identity_file,
+        options=tuple(args.ssh_option or ()),
+        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
+    )
+    if remote_hosts:
+        say(f"checking SSH to {', '.join(remote_hosts)}")
+        check_hosts(remote_hosts, ssh)
+    bind_address = rendezvous_address(remote_hosts, ssh, args.interfaces)
+    interface_env: dict[str, str] = {}
+    if args.interfaces:
+        interface_env = {
+            "HORA_GLOO_IFACE": args.interfaces[0],
+            "NCCL_SOCKET_IFNAME": ",".join(args.interfaces),
+        }
+    return Plan(slots, remote_hosts, bind_address, interface_env, ssh)
+
+
+def _describe(plan: Plan, slot: Slot) -> str:
+    where = "over ssh" if slot.hostname in plan.remote_hosts else "on this machine"
+    return (
+        f"rank {slot.rank} on {slot.hostname} {where} (local rank {slot.local_rank} of "
+        f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size})"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``horarun`` command."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = options.parse(argv)
+    except options.OptionError as exc:
+        print(f"horarun: {exc}", file=sys.stderr)
+        return 2
     if args.version:
         from hora import __version__
 
         print(f"hora {__version__}")
         return 0
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        parser.error("no command given; usage: horarun -np N python train.py")
+    if args.check_build:
+        from hora.tools.doctor import check_build_text
+
+        print(check_build_text())
+        return 0
+    refused = options.refusals(args)
+    if refused:
+        for reason in refused:
+            print(f"horarun: {reason}", file=sys.stderr)
+        return 2
+    if not args.command:
+        options.build_parser().error("no command given; usage: horarun -np N python train.py")
     if args.np is None:
-        parser.error("-np is required (the number of worker processes)")
+        options.build_parser().error("-np is required (the number of worker processes)")
+
+    def say(message: str) -> None:
+        if args.verbose:
+            print(f"horarun: {message}", file=sys.stderr, flush=True)
+
+    for note in options.notes(args):
+        say(note)
     try:
-        hosts = parse_hosts(args.hosts or f"localhost:{args.np}")
-        remote = [h.name for h in hosts if not is_local(h.name)]
-        if remote:
-            raise HostError(
-                f"host {remote[0]!r} is not this machine; this version of horarun starts "
-                "workers on this machine only. Use -H localhost:N."
-            )
-        slots = assign_slots(hosts, args.np)
+        plan = plan_job(args, say)
     except HostError as exc:
         print(f"horarun: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    return run_job(args, plan, say)
 
+
+def run_job(args: argparse.Namespace, plan: Plan, say: Callable[[str], None]) -> int:
+    """Start the store and one worker per slot, supervise them, and report how the job ended."""
     from hora.runner.rendezvous import RendezvousServer
 
-    server = RendezvousServer("127.0.0.1")
+    server = RendezvousServer(plan.bind_address)
+    say(f"rendezvous store listening on {server.address}:{server.port}")
     supervisor = Supervisor(
         on_exit=server.record_exit,
         forwarder=OutputForwarder(
             prefix=not args.disable_output_prefix,
-            timestamp=args.prefix_output_with_timestamp,
+            timestamp=bool(args.prefix_output_with_timestamp),
             log_dir=args.output_filename,
         ),
     )
     install_signal_handlers(supervisor)
-    extra = {**server.env(), **_settings_env(args)}
-    for slot in slots:
-        env = worker_env(dict(os.environ), {**extra, **slot.env()})
-        if args.verbose:
-            print(
-                f"horarun: starting rank {slot.rank} on {slot.hostname}: {' '.join(command)}",
-                file=sys.stderr,
-            )
-        supervisor.spawn(slot, command, env)
+    base = dict(os.environ)
+    extra = {**server.env(), **options.engine_env(args), **plan.interface_env}
+    cwd = os.getcwd()
+    for slot in plan.slots:
+        remote = slot.hostname in plan.remote_hosts
+        env = worker_env(base, {**extra, **slot.env()})
+        say(f"starting {_describe(plan, slot)}: {' '.join(args.command)}")
+        supervisor.spawn(slot, args.command, env, cwd=cwd, ssh=plan.ssh if remote else None)
     codes = supervisor.wait()
     cause = server.cause_rank()
     server.close()

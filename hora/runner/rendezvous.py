@@ -8,11 +8,16 @@ their keys with the job secret (see :mod:`hora.common.rendezvous`).
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 from typing import Any
 
-from hora.common.rendezvous import CAUSE_KEY, StoreClient, exit_key, new_secret, report_failure
+from hora.common.rendezvous import (
+    CAUSE_KEY,
+    StoreClient,
+    exit_key,
+    new_secret,
+    report_failure,
+    start_store_server,
+)
 
 
 class RendezvousServer:
@@ -32,29 +37,10 @@ class RendezvousServer:
         secret: str | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        import torch.distributed
-
-        dist: Any = torch.distributed
-
         self.secret = secret or new_secret()
-        family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((bind_address, port))
-        self._socket.listen(1024)
         self.address = bind_address
-        self.port = int(self._socket.getsockname()[1])
-        self._store: Any = dist.TCPStore(
-            bind_address,
-            self.port,
-            None,
-            True,
-            timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=self._socket.fileno(),
-        )
-        # The store now owns the listening socket's file descriptor.
-        self._socket.detach()
+        self._store: Any
+        self._store, self.port = start_store_server(bind_address, port, timeout_s)
         self.client = StoreClient(bind_address, self.port, self.secret, timeout_s)
 
     def env(self) -> dict[str, str]:
@@ -74,6 +60,8 @@ class RendezvousServer:
         """The rank that reported ending the job on purpose (e.g. an uncaught exception)."""
         if self.client is None or not self.client.check(CAUSE_KEY):
             return None
+        # The engine writes this key with compare_set (first writer wins), signed with the
+        # key's name like set_signed values.
         try:
             text = self.client.get_signed(CAUSE_KEY).decode()
         except Exception:  # noqa: BLE001 - an unsigned value is ignored

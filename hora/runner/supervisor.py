@@ -1,15 +1,20 @@
 """Starting worker processes, forwarding their output, and stopping them all on failure.
 
-This module owns the worker processes of a job on this machine: their environment, their
-``[rank]<stdout>:`` prefixed output, and their fate. When one rank fails it records how in the
-store (so survivors report the lost rank at once), gives the others a grace period to report
-their own errors, then stops them: TERM, and KILL after a second grace period.
+This module owns the worker processes of a job: their ``[rank]<stdout>:`` prefixed output and
+their fate. Every worker runs under a watchdog (:mod:`hora.runner.watchdog`): a local child
+process, or the far end of an ``ssh`` child for another host. Closing the watchdog's standard
+input stops the worker and everything it started; the launcher dying closes it too. When one rank
+fails the supervisor records how in the store (so survivors report the lost rank at once), gives
+the others a grace period to report their own errors, then stops them: TERM, and KILL after a
+second grace period.
 """
 
 from __future__ import annotations
 
-import ctypes
+import codecs
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -23,48 +28,197 @@ from typing import IO, Any
 import psutil
 
 from hora.runner.hosts import Slot
+from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
+from hora.runner.watchdog import CONTROL, die_with_parent, parse_control
 
 STDERR_TAIL_LINES = 20
 # After the first failure, how long the other ranks get to notice and exit on their own.
 FAILURE_GRACE_S = 5.0
-# After TERM, how long before KILL.
+# After TERM, how long before KILL (the watchdogs apply it to their workers).
 TERMINATE_GRACE_S = 5.0
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: have the kernel send SIGKILL to the worker when the launcher dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+# How much longer a watchdog (or its ssh) gets to report and exit before it is killed itself.
+WATCHDOG_SLACK_S = 3.0
+# Text redrawn with a carriage return (a progress bar) is shown at most this often per stream.
+REDRAW_INTERVAL_S = 1.0
+# ssh's exit status when the connection failed (or the remote command itself returned 255).
+SSH_FAILED = 255
 
 
 @dataclass
 class Worker:
-    """One worker process and what it has said."""
+    """One worker: its watchdog process (or the ssh to it) and what it has said.
+
+    Attributes:
+        slot: where the rank runs.
+        process: the local watchdog, or the ssh child for a remote worker.
+        remote: whether it runs on another host.
+        pid: the worker's own process id, once its watchdog reported it.
+        status: the worker's exit status as its watchdog saw it (negative: killed by a signal).
+    """
 
     slot: Slot
     process: subprocess.Popen[bytes]
+    remote: bool = False
+    pid: int | None = None
+    status: int | None = None
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
     exit_time: float = float("inf")
+    done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def rank(self) -> int:
         return self.slot.rank
 
+    @property
+    def exit_code(self) -> int | None:
+        """The worker's exit status; ``None`` while it runs."""
+        if not self.done.is_set():
+            return None
+        if self.status is not None:
+            return self.status
+        return self.process.returncode
+
+    def where(self) -> str:
+        """``rank 1 (host node2, pid 4242)``."""
+        how = f"pid {self.pid}" if self.pid is not None else "not started"
+        return f"rank {self.rank} (host {self.slot.hostname}, {how})"
+
+    def describe_exit(self, code: int) -> str:
+        if self.remote and self.status is None and code == SSH_FAILED:
+            return (
+                "lost its ssh connection (ssh exit status 255: the connection failed or broke "
+                "before the worker's exit status came back)"
+            )
+        return describe_exit(code)
+
+    def release_stdin(self) -> None:
+        """Close the pipe to the worker's watchdog, which then stops the worker."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
 
 def describe_exit(code: int) -> str:
+    """How a process ended, in words (negative ``code``: killed by that signal)."""
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
+        return f"was killed by {_signal_name(-code)}"
     return f"exited with code {code}"
+
+
+class ControlFilter:
+    """Takes the watchdog's control lines out of a worker's standard output.
+
+    A control line may arrive split across reads; its start is held back until its end comes.
+    """
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, int]]]:
+        """The text to forward, and the ``(word, value)`` controls found in it."""
+        text, self._held = self._held + text, ""
+        kept: list[str] = []
+        controls: list[tuple[str, int]] = []
+        while True:
+            start = text.find(CONTROL[0])
+            if start < 0:
+                kept.append(text)
+                break
+            kept.append(text[:start])
+            end = text.find("\n", start)
+            if end < 0:
+                if CONTROL.startswith(text[start:]) or text[start:].startswith(CONTROL):
+                    self._held = text[start:]
+                else:
+                    kept.append(text[start:])
+                break
+            control = parse_control(text[start:end])
+            if control is None:
+                kept.append(text[start : end + 1])
+            else:
+                controls.append(control)
+            text = text[end + 1 :]
+        return "".join(kept), controls
+
+    def close(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+_TERMINATOR = re.compile(r"(\r\n|\r|\n)")
+
+
+class LineSplitter:
+    """Cuts a stream's text into the lines to show.
+
+    Lines ended by ``\n`` are shown whole. Text redrawn in place with ``\r`` (a progress bar)
+    cannot be redrawn once it is mixed with other ranks' lines, so only its newest state is shown,
+    at most once per ``interval_s``; a state still unshown when the stream goes quiet is shown
+    once the interval has passed (see :meth:`due`), and a finished line drops it.
+    """
+
+    def __init__(self, interval_s: float = REDRAW_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._tail = ""
+        self._redrawing = False  # the tail follows a \r: it is a redraw in progress
+        self._state: str | None = None  # newest redrawn state not shown yet
+        self._shown: str | None = None
+        self._next_redraw = 0.0
+
+    def feed(self, text: str, now: float) -> list[str]:
+        """The lines to show after ``text`` arrived at time ``now``."""
+        text = self._tail + text
+        # A \r at the very end may be the first half of \r\n: wait for the next chunk.
+        held = "\r" if text.endswith("\r") else ""
+        parts = _TERMINATOR.split(text[: len(text) - len(held)])
+        self._tail = parts.pop() + held
+        out: list[str] = []
+        for segment, terminator in zip(parts[0::2], parts[1::2]):
+            if terminator == "\r":
+                self._redrawing = True
+                if segment:
+                    self._state = segment
+            else:
+                self._redrawing = False
+                self._state = None
+                self._shown = None
+                out.append(segment)
+        if self._redrawing and self._tail.rstrip("\r"):
+            self._state = self._tail.rstrip("\r")
+        if self._state is not None and now >= self._next_redraw:
+            out += self.redraw(now)
+        return out
+
+    def due(self) -> float | None:
+        """When an unshown redrawn state should be shown, or ``None``."""
+        return None if self._state is None else self._next_redraw
+
+    def redraw(self, now: float) -> list[str]:
+        """The newest redrawn state, if it has not been shown."""
+        state, self._state = self._state, None
+        if state is None or state == self._shown:
+            return []
+        self._shown = state
+        self._next_redraw = now + self.interval_s
+        return [state]
+
+    def close(self) -> list[str]:
+        """What is left when the stream ends."""
+        tail = self._tail.rstrip("\r")
+        if tail and not self._redrawing:
+            return [tail]
+        state = tail or self._state
+        return [state] if state and state != self._shown else []
 
 
 class OutputForwarder:
@@ -92,25 +246,55 @@ class OutputForwarder:
     def _pump(self, worker: Worker, stream: IO[bytes], name: str, sink: IO[str]) -> None:
         log: IO[str] | None = None
         if self.log_dir:
-            directory = os.path.join(self.log_dir, f"rank.{worker.rank}")
+            # Horovod's layout: rank numbers padded to the width of the largest one.
+            width = len(str(max(worker.slot.size - 1, 0)))
+            directory = os.path.join(self.log_dir, f"rank.{worker.rank:0{width}d}")
             os.makedirs(directory, exist_ok=True)
             log = open(os.path.join(directory, name), "w", encoding="utf-8")  # noqa: SIM115
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        splitter = LineSplitter()
+        controls = ControlFilter() if name == "stdout" else None
+        fd = stream.fileno()
         try:
-            for raw in iter(stream.readline, b""):
-                text = raw.decode(errors="replace")
-                if log is not None:
+            while True:
+                due = splitter.due()
+                timeout = None if due is None else max(0.0, due - time.monotonic())
+                readable, _, _ = select.select([fd], [], [], timeout)
+                if not readable:
+                    self._show(worker, name, sink, splitter.redraw(time.monotonic()))
+                    continue
+                chunk = os.read(fd, 65536)
+                text = decoder.decode(chunk, final=not chunk)
+                if controls is not None:
+                    text, found = controls.feed(text)
+                    if not chunk:
+                        text += controls.close()
+                    for word, value in found:
+                        if word == "pid":
+                            worker.pid = value
+                        elif word == "exit":
+                            worker.status = value
+                if log is not None and text:
                     log.write(text)
                     log.flush()
-                # A progress bar rewrites its line with \r: keep only what shows last.
-                line = text.rstrip("\n").rsplit("\r", 1)[-1]
-                if name == "stderr":
-                    worker.stderr_tail.append(line)
-                with self._lock:
-                    sink.write(self._decorate(worker.rank, name, line) + "\n")
-                    sink.flush()
+                lines = splitter.feed(text, time.monotonic())
+                if not chunk:
+                    self._show(worker, name, sink, lines + splitter.close())
+                    break
+                self._show(worker, name, sink, lines)
         finally:
             if log is not None:
                 log.close()
+
+    def _show(self, worker: Worker, name: str, sink: IO[str], lines: list[str]) -> None:
+        if not lines:
+            return
+        if name == "stderr":
+            worker.stderr_tail.extend(lines)
+        text = "".join(self._decorate(worker.rank, name, line) + "\n" for line in lines)
+        with self._lock:
+            sink.write(text)
+            sink.flush()
 
     def _decorate(self, rank: int, name: str, line: str) -> str:
         if not self.prefix:
@@ -120,7 +304,7 @@ class OutputForwarder:
 
 
 class Supervisor:
-    """Runs the workers of one job on this machine until they all end.
+    """Runs the workers of one job until they all end.
 
     Args:
         on_exit: called as ``on_exit(rank, text)`` when a rank fails, before others are stopped.
@@ -139,19 +323,44 @@ class Supervisor:
         self._stopping = False
 
     def spawn(
-        self, slot: Slot, command: list[str], env: dict[str, str], cwd: str | None = None
+        self,
+        slot: Slot,
+        command: list[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        ssh: SshSettings | None = None,
     ) -> Worker:
+        """Start one worker under its watchdog: here, or on ``slot.hostname`` when ``ssh`` is
+        given. The command, ``env`` and ``cwd`` (default: ours) go through the watchdog's
+        standard input, never on a command line.
+        """
+        if ssh is None:
+            # No PDEATHSIG here: when the launcher dies the watchdog must live on long enough
+            # to stop the worker's whole tree (it sees its standard input close).
+            argv = [sys.executable, "-c", LOADER]
+            preexec = None
+        else:
+            # The kernel kills ssh with the launcher; its remote watchdog then sees the
+            # connection close.
+            argv = [*ssh.argv(slot.hostname), remote_command()]
+            preexec = die_with_parent
         process = subprocess.Popen(
-            command,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
+            argv,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=preexec,
         )
-        worker = Worker(slot, process)
+        payload = stdin_payload(command, env, cwd or os.getcwd(), slot.hostname, TERMINATE_GRACE_S)
+        assert process.stdin is not None
+        try:
+            # The pipe stays open: closing it is how the worker is asked to stop.
+            process.stdin.write(payload)
+            process.stdin.flush()
+        except BrokenPipeError:
+            pass  # the watchdog (or ssh) already failed; its stderr and exit status say why
+        worker = Worker(slot, process, remote=ssh is not None)
         assert process.stdout is not None and process.stderr is not None
         self.forwarder.start(worker, process.stdout, "stdout", sys.stdout)
         self.forwarder.start(worker, process.stderr, "stderr", sys.stderr)
@@ -163,7 +372,10 @@ class Supervisor:
     @staticmethod
     def _note_exit(worker: Worker) -> None:
         worker.process.wait()
+        # The worker's exit status arrives on standard output: read it to the end first.
+        worker.threads[0].join(timeout=5)
         worker.exit_time = time.monotonic()
+        worker.done.set()
 
     def wait(self, timeout_s: float | None = None) -> dict[int, int]:
         """Wait for every worker; returns exit codes by rank.
@@ -175,19 +387,16 @@ class Supervisor:
         failure_deadline: float | None = None
         reported: set[int] = set()
         while True:
-            running = [w for w in self.workers if w.process.poll() is None]
+            running = [w for w in self.workers if not w.done.is_set()]
             for worker in self.workers:
-                code = worker.process.returncode
+                code = worker.exit_code
                 if code is not None and code != 0 and worker.rank not in reported:
                     reported.add(worker.rank)
                     if self.first_failure is None:
                         self.first_failure = worker
                         failure_deadline = time.monotonic() + FAILURE_GRACE_S
                     if self.on_exit is not None and not self._stopping:
-                        text = (
-                            f"rank {worker.rank} (host {worker.slot.hostname}, pid "
-                            f"{worker.process.pid}) {describe_exit(code)}"
-                        )
+                        text = f"{worker.where()} {worker.describe_exit(code)}"
                         try:
                             self.on_exit(worker.rank, text)
                         except Exception:  # noqa: BLE001 - survivors will still time out
@@ -202,30 +411,33 @@ class Supervisor:
                 self.stop()
                 raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
             time.sleep(0.05)
+        codes: dict[int, int] = {}
         for worker in self.workers:
-            worker.process.wait()
+            worker.done.wait()
+            worker.release_stdin()
             for thread in worker.threads:
                 thread.join(timeout=5)
-        return {w.rank: w.process.returncode for w in self.workers}
+            code = worker.exit_code
+            codes[worker.rank] = code if code is not None else 0
+        return codes
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every worker and its children: ``sig``, then KILL after a grace period."""
+    def stop(self) -> None:
+        """Stop every worker and what it started: each watchdog TERMs its worker's tree and
+        KILLs it after :data:`TERMINATE_GRACE_S`; a watchdog (or ssh) still there
+        :data:`WATCHDOG_SLACK_S` later is killed with its tree.
+        """
         self._stopping = True
         victims: list[psutil.Process] = []
         for worker in self.workers:
             if worker.process.poll() is not None:
                 continue
+            worker.release_stdin()
             try:
                 parent = psutil.Process(worker.process.pid)
                 victims.extend([parent, *parent.children(recursive=True)])
             except psutil.NoSuchProcess:
                 continue
-        for proc in victims:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(victims, timeout=TERMINATE_GRACE_S)
+        _, alive = psutil.wait_procs(victims, timeout=TERMINATE_GRACE_S + WATCHDOG_SLACK_S)
         for proc in alive:
             try:
                 proc.kill()
@@ -248,10 +460,7 @@ class Supervisor:
         named = [w for w in failed if w.rank == cause_rank]
         worker = named[0] if named else min(failed, key=lambda w: (w.exit_time, w.rank))
         code = codes[worker.rank]
-        lines = [
-            f"rank {worker.rank} (host {worker.slot.hostname}, pid {worker.process.pid}) "
-            f"{describe_exit(code)}."
-        ]
+        lines = [f"{worker.where()} {worker.describe_exit(code)}."]
         if worker.stderr_tail:
             lines.append(f"Last lines of rank {worker.rank}'s stderr:")
             lines += [f"    {line}" for line in worker.stderr_tail]
@@ -266,7 +475,7 @@ def install_signal_handlers(supervisor: Supervisor) -> None:
 
     def handler(signum: int, frame: Any) -> None:
         del frame
-        supervisor.stop(signal.SIGTERM)
+        supervisor.stop()
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGINT, handler)

@@ -10,7 +10,7 @@ import cloudpickle
 
 def main() -> int:
     from hora.common.config import start_timeout_s
-    from hora.common.rendezvous import StoreClient
+    from hora.common.rendezvous import AuthenticationError, StoreClient
     from hora.common.topology import detect
     from hora.runner.api import FUNCTION_KEY, result_key
 
@@ -21,7 +21,16 @@ def main() -> int:
         topology.secret,
         start_timeout_s(),
     )
-    fn, args, kwargs = cloudpickle.loads(store.get_signed(FUNCTION_KEY))
+    try:
+        payload = store.get_signed(FUNCTION_KEY)
+    except AuthenticationError as exc:
+        print(
+            f"hora.run worker (rank {topology.rank}, host {topology.hostname}): {exc}. "
+            "The function was not loaded.",
+            file=sys.stderr,
+        )
+        return 1
+    fn, args, kwargs = cloudpickle.loads(payload)
     try:
         outcome = ("ok", fn(*args, **kwargs))
         code = 0

@@ -1,0 +1,281 @@
+"""The watchdog that runs each worker, on this machine or on a remote host over SSH.
+
+The launcher starts ``python3 -c LOADER`` here, or ``ssh HOST python3 -c LOADER`` (see
+:mod:`hora.runner.remote`). The short loader on the command line reads this module's source from
+standard input and runs it; this module then reads the job (command, environment, working
+directory) as length-prefixed JSON from the same stream. So the job's secret never appears on a
+command line, where ``ps`` would show it; over SSH it travels inside the encrypted channel.
+
+Then it starts the worker and watches it:
+
+* the worker runs in its own session, with standard input from ``/dev/null`` and its output going
+  straight to the launcher (through SSH for a remote host);
+* when standard input reaches end-of-file (the launcher closed it to stop the worker, or the
+  launcher or its SSH connection died, even by ``SIGKILL``), or this process gets ``SIGTERM``,
+  ``SIGHUP`` or ``SIGINT``, it stops the worker and everything the worker started: ``SIGTERM``,
+  then ``SIGKILL`` after a grace period;
+* it is a child subreaper, so processes the worker started stay its descendants even when their
+  parent exits (a shell wrapper, a daemonised helper) and none of them outlive the job; when the
+  worker exits, what it left behind is stopped too;
+* if this process itself is killed, the kernel kills the worker (``PR_SET_PDEATHSIG``).
+
+It reports on the worker's standard output with two control lines the launcher removes from the
+output: :data:`CONTROL` + ``pid N`` (written by the worker process itself before it runs the
+command, so it comes before any output) and :data:`CONTROL` + ``exit N`` (``subprocess``'s
+status: negative for a signal). Its own exit status is the worker's, or 128 + N when the worker
+was killed by signal N.
+
+This module uses the standard library only (psutil when it is there), because on a remote host it
+may run under an interpreter that does not have hora installed. It knows nothing of hora's engine
+or launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any
+
+# Marks the watchdog's control lines on the worker's standard output.
+CONTROL = "\0hora-watchdog "
+
+# Variables that already choose Gloo's network interface; the watchdog then chooses none.
+INTERFACE_VARS = ("HORA_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_SIOCGIFADDR = 0x8915
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the stdin watch still stops the worker
+        pass
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in a child before exec
+    """Linux: have the kernel SIGKILL this process when its parent dies."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _prepare_worker() -> None:  # pragma: no cover - runs in the child before exec
+    die_with_parent()
+    os.write(1, f"{CONTROL}pid {os.getpid()}\n".encode())
+
+
+def parse_control(line: str) -> tuple[str, int] | None:
+    """``("pid", N)`` or ``("exit", N)`` for a control line, else ``None``."""
+    if not line.startswith(CONTROL):
+        return None
+    word, _, value = line[len(CONTROL) :].partition(" ")
+    try:
+        return word, int(value)
+    except ValueError:
+        return None
+
+
+def read_job(stream: IO[bytes]) -> dict[str, Any]:
+    """The job the launcher sent: a line with the JSON's length in bytes, then the JSON."""
+    header = stream.readline()
+    size = int(header.strip())
+    job: dict[str, Any] = json.loads(stream.read(size).decode())
+    return job
+
+
+def encode_job(job: dict[str, Any]) -> bytes:
+    """The bytes :func:`read_job` reads back."""
+    body = json.dumps(job).encode()
+    return b"%d\n" % len(body) + body
+
+
+def source_address_towards(address: str) -> str:
+    """The local address this host would use to reach ``address`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return str(probe.getsockname()[0])
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of the network interface that holds the IPv4 ``address``."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        for name, entries in psutil.net_if_addrs().items():
+            if any(e.family == socket.AF_INET and e.address == address for e in entries):
+                return str(name)
+        return None
+    import fcntl  # Linux without psutil: ask the kernel for each interface's primary address
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def interface_towards(address: str) -> str | None:
+    """The interface this host reaches ``address`` through, or ``None`` (loopback, unknown)."""
+    try:
+        source = source_address_towards(address)
+    except OSError:
+        return None
+    if source.startswith("127."):
+        return None
+    return interface_with_address(source)
+
+
+def _descendants(root: int) -> list[int]:
+    """Live (not zombie) descendants of ``root``, read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # The command name (in parentheses) may hold spaces; the fields after it do not.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.append(pid)
+            todo.append(pid)
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _reap_orphans() -> None:
+    """Collect reparented orphans that have exited (this process is their subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def stop_tree(worker: subprocess.Popen[bytes], grace_s: float) -> None:
+    """``SIGTERM`` the worker and every descendant, then ``SIGKILL`` what is left after
+    ``grace_s`` seconds."""
+    me = os.getpid()
+    try:
+        os.killpg(worker.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _signal_all(_descendants(me), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if worker.poll() is not None and not [p for p in _descendants(me) if p != worker.pid]:
+            return
+        time.sleep(0.05)
+    _signal_all(_descendants(me), signal.SIGKILL)
+    worker.wait()
+
+
+def _watch_stdin(fd: int, stop: threading.Event) -> None:
+    # Reads the descriptor itself: a thread blocked inside sys.stdin's buffered reader would
+    # hold its lock when the interpreter exits, which Python treats as a fatal error.
+    try:
+        while os.read(fd, 65536):
+            pass
+    except OSError:
+        pass
+    stop.set()
+
+
+def run(job: dict[str, Any], stdin_fd: int) -> int:
+    """Start the job's worker and watch it; returns the exit status for SSH to report."""
+    host = str(job.get("host", socket.gethostname()))
+    env = {str(k): str(v) for k, v in job["env"].items()}
+    argv = [str(a) for a in job["argv"]]
+    grace_s = float(job.get("grace_s", 5.0))
+    try:
+        os.chdir(job["cwd"])
+    except OSError as exc:
+        print(
+            f"hora: cannot enter the working directory {job['cwd']!r} on host {host} "
+            f"({exc.strerror}). horarun starts remote workers in the directory it was run "
+            "from; create it on every host (e.g. a shared file system) or run horarun from a "
+            "directory that exists everywhere.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 126
+    rendezvous = env.get("HORA_RENDEZVOUS_ADDR", "")
+    if rendezvous and not any(env.get(name) for name in INTERFACE_VARS):
+        interface = interface_towards(rendezvous)
+        if interface is not None:
+            env["HORA_GLOO_IFACE"] = interface
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        worker = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_prepare_worker,
+        )
+    except OSError as exc:
+        print(
+            f"hora: cannot start {argv[0]!r} on host {host} ({exc.strerror}). Check that the "
+            "command exists there, at the same path or on the PATH horarun passes on.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 127
+    threading.Thread(target=_watch_stdin, args=(stdin_fd, stop), daemon=True).start()
+    while worker.poll() is None:
+        if stop.wait(0.1):
+            stop_tree(worker, grace_s)
+            break
+    # Whatever the worker left behind would hold the SSH session open: stop it too.
+    if _descendants(os.getpid()):
+        stop_tree(worker, min(grace_s, 1.0))
+    _reap_orphans()
+    code = worker.returncode
+    sys.stdout.flush()
+    os.write(1, f"{CONTROL}exit {code}\n".encode())
+    return 128 - code if code < 0 else code
+
+
+def main() -> int:
+    # The launcher sends nothing after the job, so the buffered reader holds no more input and
+    # the stdin watch can read the descriptor directly.
+    return run(read_job(sys.stdin.buffer), sys.stdin.fileno())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tools around hora jobs: environment checks (``hora doctor``), and later timeline analysis."""

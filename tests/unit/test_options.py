@@ -1,0 +1,153 @@
+"""horarun's flags and config file: what they set for the workers, and what they refuse."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hora.runner import options
+from hora.runner.options import OptionError, engine_env, notes, parse, refusals
+
+COMMAND = ["python", "train.py"]
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "horovod.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_horovodrun_flags_map_to_hora_variables() -> None:
+    args = parse(
+        [
+            "-np", "4", "--fusion-threshold-mb", "2", "--cycle-time-ms", "3.5",
+            "--cache-capacity", "512", "--no-stall-check",
+            "--stall-check-warning-time-seconds", "90", "--stall-check-shutdown-time-seconds", "300",
+            "--gloo-timeout-seconds", "45", "--log-level", "debug", "--log-without-timestamp",
+            "--start-timeout", "60", "--tcp", *COMMAND,
+        ]
+    )  # fmt: skip
+    assert engine_env(args) == {
+        "HORA_FUSION_THRESHOLD": str(2 * 1024 * 1024),
+        "HORA_CYCLE_TIME": "3.5",
+        "HORA_CACHE_CAPACITY": "512",
+        "HORA_STALL_CHECK_DISABLE": "1",
+        "HORA_STALL_CHECK_TIME_SECONDS": "90",
+        "HORA_STALL_SHUTDOWN_TIME_SECONDS": "300",
+        "HORA_GLOO_TIMEOUT_SECONDS": "45",
+        "HORA_LOG_LEVEL": "DEBUG",
+        "HORA_LOG_HIDE_TIME": "1",
+        "HORA_START_TIMEOUT": "60",
+        "NCCL_IB_DISABLE": "1",
+    }
+    assert args.command == COMMAND and args.np == 4
+
+
+def test_single_dash_long_flags_and_repeatable_interfaces() -> None:
+    args = parse(
+        ["-np", "2", "-hostfile", "hosts", "-prefix-timestamp", "-p", "2222", "-i", "key",
+         "--network-interface", "eth1", "--network-interfaces", "eth2,eth1", "--", *COMMAND]
+    )  # fmt: skip
+    assert args.hostfile == "hosts" and args.prefix_output_with_timestamp
+    assert (args.ssh_port, args.ssh_identity_file) == (2222, "key")
+    assert args.interfaces == ["eth1", "eth2"]
+    assert args.command == COMMAND
+
+
+def test_config_file_fills_what_the_command_line_left_out(tmp_path: Path) -> None:
+    path = _config(
+        tmp_path,
+        """
+        controller: gloo
+        params:
+          fusion_threshold_mb: 32
+          cycle_time_ms: 2
+          cache_capacity: 0
+          hierarchical_allreduce: true
+        autotune:
+          enabled: false
+        stall_check:
+          enabled: true
+          warning_time_seconds: 30
+        library_options:
+          gloo_timeout_seconds: 90
+          num_nccl_streams: 2
+        logging:
+          level: info
+          with_timestamp: true
+        """,
+    )
+    args = parse(["-np", "2", "--config-file", path, "--cycle-time-ms", "5", *COMMAND])
+    env = engine_env(args)
+    assert env["HORA_FUSION_THRESHOLD"] == str(32 * 1024 * 1024)
+    assert env["HORA_CYCLE_TIME"] == "5"  # the command line wins
+    assert env["HORA_CACHE_CAPACITY"] == "0"
+    assert env["HORA_STALL_CHECK_DISABLE"] == "0"
+    assert env["HORA_STALL_CHECK_TIME_SECONDS"] == "30"
+    assert env["HORA_GLOO_TIMEOUT_SECONDS"] == "90"
+    assert env["HORA_LOG_LEVEL"] == "INFO"
+    assert env["HORA_LOG_HIDE_TIME"] == "0"
+    said = "\n".join(notes(args))
+    assert "--hierarchical-allreduce has no effect" in said
+    assert "--num-nccl-streams has no effect" in said
+    assert "--autotune" not in said  # enabled: false asks for nothing
+    assert refusals(args) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("params:\n  fusion_threshold_mb: -1\n", r"fusion_threshold_mb=-1 must be >= 0"),
+        ("params:\n  fusion_treshold_mb: 1\n", r"unknown key params.fusion_treshold_mb"),
+        ("tuning:\n  x: 1\n", "unknown section 'tuning'"),
+        ("params:\n  cache_capacity: 1.5\n", "must be a whole number"),
+        ("stall_check:\n  enabled: 1\n", "must be true or false"),
+        ("logging:\n  level: loud\n", "must be one of TRACE"),
+        ("controller: nccl\n", "must be gloo or mpi"),
+        ("params: [1, 2\n", "is not valid YAML"),
+        ("- a\n- b\n", "must hold a mapping"),
+    ],
+)
+def test_bad_config_files_are_refused_with_the_key(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(OptionError, match=match):
+        parse(["-np", "1", "--config-file", _config(tmp_path, text), *COMMAND])
+
+
+def test_negative_numbers_on_the_command_line_are_refused() -> None:
+    with pytest.raises(OptionError, match=r"cycle_time_ms=-1 must be >= 0"):
+        parse(["-np", "1", "--cycle-time-ms", "-1", *COMMAND])
+    with pytest.raises(OptionError, match="must look like Key=Value"):
+        parse(["-np", "1", "--ssh-option=-F/tmp/x", *COMMAND])
+
+
+def test_flags_hora_cannot_honour_are_refused() -> None:
+    args = parse(["-np", "2", "--mpi", "--min-np", "1", "--timeline-filename", "t.json", *COMMAND])
+    said = "\n".join(refusals(args))
+    assert "--mpi (or controller: mpi) is not available" in said
+    assert "--min-np: elastic training is not available" in said
+    assert "--timeline-filename (or timeline.filename): hora has no timeline yet" in said
+
+
+def test_controller_from_config_yields_to_the_command_line(tmp_path: Path) -> None:
+    args = parse(
+        ["-np", "1", "--config-file", _config(tmp_path, "controller: mpi\n"), "--gloo", *COMMAND]
+    )
+    assert refusals(args) == []
+
+
+def test_every_horovodrun_flag_is_accepted() -> None:
+    flags = [
+        "--disable-cache", "--hierarchical-allgather", "--torus-allreduce", "--autotune",
+        "--autotune-log-file", "a.csv", "--autotune-warmup-samples", "3",
+        "--autotune-steps-per-sample", "10", "--autotune-bayes-opt-max-samples", "20",
+        "--autotune-gaussian-process-noise", "0.8", "--timeline-mark-cycles",
+        "--mpi-threads-disable", "--mpi-args=--bind-to none", "--binding-args", "x",
+        "--num-nccl-streams", "2", "--thread-affinity", "0,1", "--log-with-timestamp",
+        "--no-hierarchical-allreduce", "--no-autotune", "--stall-check", "--gloo",
+    ]  # fmt: skip
+    args = parse(["-np", "1", *flags, *COMMAND])
+    assert refusals(args) == []
+    assert len(notes(args)) >= 12
+    assert options.build_parser().prog == "horarun"

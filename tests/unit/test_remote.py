@@ -1,0 +1,41 @@
+"""The ssh command line and what a worker's watchdog is sent (no ssh connection is made here)."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
+from hora.runner.watchdog import read_job
+
+
+def test_batch_mode_comes_first_and_user_options_before_the_defaults() -> None:
+    ssh = SshSettings(port=2222, identity_file="/k", options=("StrictHostKeyChecking=yes",))
+    argv = ssh.argv("node1")
+    # ssh keeps the first value it gets for an option: BatchMode cannot be turned off, and the
+    # user's StrictHostKeyChecking wins over hora's accept-new.
+    assert argv[:3] == ["ssh", "-o", "BatchMode=yes"]
+    assert argv.index("StrictHostKeyChecking=yes") < argv.index("StrictHostKeyChecking=accept-new")
+    assert argv[-5:] == ["-p", "2222", "-i", "/k", "node1"]
+    assert "ConnectTimeout=10" in argv
+    assert ssh.display("node1") == "ssh -p 2222 -i /k -o StrictHostKeyChecking=yes node1 true"
+
+
+def test_the_secret_travels_on_stdin_not_on_the_command_line() -> None:
+    env = {"HORA_SECRET_KEY": "s3cr3t" * 10, "PATH": "/usr/bin"}
+    payload = stdin_payload(["python", "train.py"], env, "/work", "node1", 5.0)
+    assert "s3cr3t" not in remote_command()
+    assert sys.executable in remote_command() and "python3" in remote_command()
+    stream = io.BytesIO(payload)
+    size = int(stream.readline())
+    source = stream.read(size)
+    assert b"def read_job" in source  # the watchdog's own source comes first
+    job = read_job(stream)
+    assert job == {
+        "argv": ["python", "train.py"],
+        "env": env,
+        "cwd": "/work",
+        "host": "node1",
+        "grace_s": 5.0,
+    }
+    assert "exec(compile(" in LOADER
