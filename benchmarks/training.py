@@ -18,7 +18,8 @@ seed, each with plain SGD with momentum, and trains them in three modes:
 2. DDP: ``torch.nn.parallel.DistributedDataParallel`` over torch.distributed's default group on
    Gloo (rendezvousing in the job's store under its own key prefix), default buckets,
    ``forward_sync_buffers=False`` (hora does not synchronise buffers in forward either);
-3. hora: ``hvd.DistributedOptimizer`` with ``named_parameters``.
+3. hora: ``hvd.DistributedOptimizer`` with ``named_parameters`` (one allreduce per parameter,
+   fused by the engine, as in Horovod; ``--hora-groups N`` passes ``groups=N`` instead).
 
 Every process uses one intra-op thread (``torch.set_num_threads(1)``), the single-process mode
 included, so that the scaling efficiency ``total / (np * single)`` compares like with like on a
@@ -199,13 +200,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per worker and step (default 32)"
     )
+    parser.add_argument(
+        "--hora-groups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="DistributedOptimizer(groups=N): reduce the gradients as N grouped allreduces "
+        "(default 0: one allreduce per parameter, Horovod's default)",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
     args = parser.parse_args(argv)
     for name in ("iters", "block", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        parser.error("--warmup must not be negative")
+    if args.warmup < 0 or args.hora_groups < 0:
+        parser.error("--warmup and --hora-groups must not be negative")
     return args
 
 
@@ -213,7 +222,7 @@ def relaunch(args: argparse.Namespace) -> int:
     """Start this script on ``args.np`` workers through horarun and return its exit status."""
     forwarded = ["--models", *args.models, "--iters", str(args.iters)]
     forwarded += ["--warmup", str(args.warmup), "--block", str(args.block)]
-    forwarded += ["--batch-size", str(args.batch_size)]
+    forwarded += ["--batch-size", str(args.batch_size), "--hora-groups", str(args.hora_groups)]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
     return harness.relaunch(__file__, args.np, forwarded)
@@ -262,7 +271,7 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def build_modes(
-    spec: ModelSpec, batch_size: int, rank: int, size: int
+    spec: ModelSpec, batch_size: int, rank: int, size: int, hora_groups: int = 0
 ) -> tuple[dict[str, Mode], nn.Module]:
     """The three modes of one model, each on its own copy of the same seeded initialisation.
 
@@ -282,7 +291,9 @@ def build_modes(
     # Buffers (BatchNorm statistics) stay rank-local after the initial sync, as with hora.
     ddp_model = DistributedDataParallel(ddp_module, forward_sync_buffers=False)
     optimizer = hvd.DistributedOptimizer(
-        sgd(hora_model), named_parameters=hora_model.named_parameters()
+        sgd(hora_model),
+        named_parameters=hora_model.named_parameters(),
+        groups=hora_groups or None,
     )
     hvd.broadcast_parameters(hora_model.state_dict(), root_rank=0)
     modes = {
@@ -370,7 +381,7 @@ def ranks_agree(module: nn.Module) -> bool:
 def bench_model(
     spec: ModelSpec, args: argparse.Namespace, timer: Alternation, rank: int, size: int
 ) -> dict[str, Any]:
-    modes, ddp_module = build_modes(spec, args.batch_size, rank, size)
+    modes, ddp_module = build_modes(spec, args.batch_size, rank, size, args.hora_groups)
     timer.run(modes, args.iters, args.warmup, args.block)
     parameters = list(modes["hora"].module.parameters())
     row: dict[str, Any] = {
@@ -459,9 +470,9 @@ def format_table(results: dict[str, Any]) -> str:
     title = (
         f"hora {results['hora_version']} ({results['hora_revision']}) vs PyTorch DDP "
         f"(torch {results['torch_version']}, gloo), {size} ranks, batch {results['batch_size']} "
-        f"per worker, 1 thread per process; cycle time {results['cycle_time_ms']:g} ms, fusion "
-        f"threshold {results['fusion_threshold_bytes']} B; medians of {results['iters']} steps, "
-        "slowest rank"
+        f"per worker, 1 thread per process; hora: cycle time {results['cycle_time_ms']:g} ms, "
+        f"fusion threshold {results['fusion_threshold_bytes']} B, groups "
+        f"{results['hora_groups'] or 'none'}; medians of {results['iters']} steps, slowest rank"
     )
     detail_header = (
         "model",
@@ -534,6 +545,7 @@ def worker(args: argparse.Namespace) -> None:
         "cycle_time_ms": settings.cycle_time_ms,
         "fusion_threshold_bytes": settings.fusion_threshold_bytes,
         "batch_size": args.batch_size,
+        "hora_groups": args.hora_groups,
         "iters": args.iters,
         "warmup": args.warmup,
         "block": args.block,

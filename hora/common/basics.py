@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Any
 
+from hora.common import joining
 from hora.common.config import Settings, flag, lookup, start_timeout_s
 from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
@@ -32,6 +33,7 @@ class _State:
         self.lock = threading.RLock()
         self.engine: Engine | None = None
         self.topology: Topology | None = None
+        self.store: StoreClient | None = None
         self.generation = 0
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
@@ -101,9 +103,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             settings = _replace(settings, dynamic_process_sets=True)
         topology = detect()
         _configure_logging(settings.log_level, topology.rank)
-        store = StoreClient(
-            topology.rendezvous_addr, topology.rendezvous_port, topology.secret, start_timeout_s()
-        )
+        # Under horarun the store is the launcher's; under other launchers rank 0 (or the
+        # launcher) hosts it and local/cross ranks may still need an exchange.
+        topology, store = joining.join(topology, start_timeout_s(), _state.generation)
         member_lists: list[tuple[int, ...]] = []
         for process_set in sets:
             if not isinstance(process_set, ProcessSet):
@@ -132,6 +134,7 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         engine.start()
         _state.engine = engine
         _state.topology = topology
+        _state.store = store
         global_process_set.ranks = list(range(topology.size))
         global_process_set._bind(0, topology.rank)
         _state.process_sets = {0: global_process_set}
@@ -175,6 +178,10 @@ def shutdown(reason: str | None = None) -> None:
         if engine is None:
             return
         engine.shutdown(reason)
+        launched_elsewhere = _state.topology is not None and _state.topology.launch is not None
+        if _state.store is not None and launched_elsewhere and engine.size > 1:
+            # A rank may host the store (srun, mpirun): it waits at exit for this.
+            joining.detach(_state.store, engine.rank, _state.generation - 1)
         _state.engine = None
         for process_set in _state.process_sets.values():
             if process_set is not global_process_set:

@@ -1,18 +1,25 @@
 """Where this process sits in the job: rank, size, local and cross ranks, and the rendezvous.
 
-This module reads the variables a launcher exports and turns them into a :class:`Topology`.
-It knows nothing of transports or tensors. ``horarun`` and ``hora.run`` export the ``HORA_*``
-variables (and their ``HOROVOD_*`` twins); a process started without any launcher is a job of one.
+This module decides which launcher started this process and turns its variables into a
+:class:`Topology`. It knows nothing of transports or tensors. ``horarun`` and ``hora.run`` export
+the ``HORA_*`` variables (and their ``HOROVOD_*`` twins), read here; the variables of torchrun,
+Open MPI, MPICH, MVAPICH, SLURM's ``srun`` and torch.distributed's ``env://`` are read in
+:mod:`hora.common.launchers`. When two launchers' variables contradict each other, :func:`detect`
+refuses with both. A process started without any launcher is a job of one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from hora.common.config import lookup
+from hora.common.launchers import READERS, LauncherError, Reading, StorePlan
+
+logger = logging.getLogger("hora")
 
 
 class TopologyError(ValueError):
@@ -35,6 +42,11 @@ class Topology:
         rendezvous_port: its port.
         secret: the job's secret key (hex), used to authenticate everything sent through the store.
         source: which launcher's variables were used.
+        authenticated: whether ``secret`` is secret: ``False`` when no launcher handed one out
+            and ``HORA_SECRET_KEY`` is not set (see docs/security.md).
+        store_prefix: prefix of every key hora writes (inside a launcher's own store).
+        launch: what another launcher's variables said, while :mod:`hora.common.joining` has
+            not yet reached the store (``None`` under ``horarun`` and for a job of one).
     """
 
     rank: int = 0
@@ -46,13 +58,20 @@ class Topology:
     hostname: str = "localhost"
     rendezvous_addr: str = ""
     rendezvous_port: int = 0
-    secret: str = ""
+    secret: str = field(default="", repr=False)
     source: str = "single process"
+    authenticated: bool = True
+    store_prefix: str = ""
+    launch: Reading | None = field(default=None, compare=False, repr=False)
 
     @property
     def all_local(self) -> bool:
         """Every process of the job runs on this host."""
         return self.local_size == self.size
+
+    @property
+    def plan(self) -> StorePlan | None:
+        return None if self.launch is None else self.launch.plan
 
     def validate(self) -> None:
         if self.size < 1:
@@ -61,6 +80,8 @@ class Topology:
             raise TopologyError(
                 f"{self.source}: rank {self.rank} is outside 0..{self.size - 1} (size {self.size})."
             )
+        if self.plan is not None and self.plan.exchange:
+            return  # local and cross ranks come from the exchange in hora.common.joining
         if not 0 <= self.local_rank < self.local_size:
             raise TopologyError(
                 f"{self.source}: local rank {self.local_rank} is outside 0..{self.local_size - 1}."
@@ -69,7 +90,7 @@ class Topology:
             raise TopologyError(
                 f"{self.source}: cross rank {self.cross_rank} is outside 0..{self.cross_size - 1}."
             )
-        if self.size > 1 and not self.rendezvous_addr:
+        if self.size > 1 and not self.rendezvous_addr and self.launch is None:
             raise TopologyError(
                 f"{self.source}: a job of {self.size} processes needs a rendezvous address "
                 "(HORA_RENDEZVOUS_ADDR); start it with horarun or hora.run."
@@ -89,6 +110,7 @@ def _int_var(name: str, env: Mapping[str, str], default: int | None = None) -> i
 
 
 def _from_hora(env: Mapping[str, str]) -> Topology | None:
+    """``horarun``'s (and Horovod's) variables, or ``None`` when ``HORA_RANK`` is not set."""
     if lookup("RANK", env) is None:
         return None
     size = _int_var("SIZE", env)
@@ -114,46 +136,214 @@ def _from_hora(env: Mapping[str, str]) -> Topology | None:
     )
 
 
-# Variables other launchers set, with the world size they imply. hora reads its own (and
-# Horovod's) variables; a job started by one of these with several processes would otherwise
-# silently run as several jobs of one.
-_FOREIGN_SIZES = (
-    ("torchrun", "WORLD_SIZE"),
-    ("Open MPI's mpirun", "OMPI_COMM_WORLD_SIZE"),
-    ("MPICH/Intel MPI", "PMI_SIZE"),
-    ("SLURM's srun", "SLURM_NTASKS"),
-)
+# ``HORA_LAUNCHER`` names the launcher whose variables to read, when hora's choice is not the one
+# wanted (one launcher starting another on purpose).
+LAUNCHER_NAMES = ("horarun", "torchrun", "mpi", "slurm", "env", "none")
 
 
-def _foreign_launcher(env: Mapping[str, str]) -> str | None:
-    for launcher, variable in _FOREIGN_SIZES:
-        raw = env.get(variable, "")
-        if raw.isdigit() and int(raw) > 1:
-            if variable == "SLURM_NTASKS" and "SLURM_STEP_ID" not in env:
-                continue  # inside an allocation but not started by srun
-            return f"{launcher} ({variable}={raw})"
-    return None
+def _hora_reading(topology: Topology, env: Mapping[str, str]) -> Reading:
+    prefix = "HORA" if env.get("HORA_RANK") else "HOROVOD"
+    return Reading(
+        launcher="horarun",
+        rank=topology.rank,
+        size=topology.size,
+        rank_var=f"{prefix}_RANK",
+        size_var=f"{prefix}_SIZE",
+        local_rank=topology.local_rank,
+        local_size=topology.local_size,
+        cross_rank=topology.cross_rank,
+        cross_size=topology.cross_size,
+        hostname=topology.hostname,
+        plan=StorePlan(),
+    )
 
 
-def detect(env: Mapping[str, str] | None = None) -> Topology:
+def _compatible(inner: Reading, outer: Reading) -> bool:
+    """Whether ``outer``'s variables can describe the launcher that started ``inner``'s process,
+    or this same process.
+
+    Launchers nest: ``srun`` starts one ``torchrun`` per node, ``mpirun`` inside an allocation
+    starts its daemons with ``srun``, ``horarun`` runs inside a one-task step. The outer launcher's
+    variables then count launchers, not workers, and stay in the workers' environment.
+    """
+    if outer.size == 1:
+        return True
+    if inner.launcher == "torchrun":
+        # One torchrun agent per outer task; the agents rank themselves in their rendezvous.
+        return outer.size == inner.group_size
+    if outer.size == inner.size:
+        return outer.rank == inner.rank  # both describe this very process
+    # One launcher (or MPI daemon) per node, each starting this node's workers.
+    return outer.one_per_node
+
+
+def _disagreement(inner: Reading, outer: Reading) -> TopologyError:
+    lines = [
+        f"the launchers' variables in this process's environment disagree about its place in "
+        f"the job (process {os.getpid()} on {socket.gethostname()}):",
+        f"  {inner.launcher}: {inner.rank_var}={inner.rank}, {inner.size_var}={inner.size}",
+        f"  {outer.launcher}: {outer.rank_var}={outer.rank}, {outer.size_var}={outer.size}",
+        f"hora reads {inner.launcher}'s variables (the launcher that started this process) and "
+        f"cannot also be rank {outer.rank} of {outer.size}.",
+    ]
+    if inner.launcher == "torchrun" and outer.launcher == "SLURM's srun":
+        lines.append(
+            f"Each of srun's {outer.size} tasks started torchrun, but torchrun's rendezvous has "
+            f"{inner.group_size} node(s) (GROUP_WORLD_SIZE): several separate torchrun jobs. "
+            "Start one torchrun per node with a shared rendezvous (`srun --ntasks-per-node=1 "
+            "torchrun --nnodes=$SLURM_NNODES --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29400 "
+            "...`), or let srun start the workers (`srun --ntasks-per-node=N python train.py`)."
+        )
+    else:
+        lines.append(
+            f"If {outer.launcher}'s variables are left over (exported in a job script or copied "
+            f"from another job), unset them ({outer.rank_var}, {outer.size_var}). If one launcher "
+            "starts the other on purpose, set HORA_LAUNCHER to the one that starts the workers "
+            f"({', '.join(LAUNCHER_NAMES)})."
+        )
+    return TopologyError("\n".join(lines))
+
+
+def _from_reading(reading: Reading, env: Mapping[str, str]) -> Topology:
+    if reading.size == 1:
+        return Topology(hostname=reading.hostname, source=f"{reading.launcher} (1 process)")
+    plan = reading.plan
+    return Topology(
+        rank=reading.rank,
+        size=reading.size,
+        local_rank=reading.local_rank if reading.local_rank is not None else 0,
+        local_size=reading.local_size if reading.local_size is not None else 1,
+        cross_rank=reading.cross_rank if reading.cross_rank is not None else 0,
+        cross_size=reading.cross_size if reading.cross_size is not None else 1,
+        hostname=reading.hostname,
+        rendezvous_addr=plan.addr,
+        rendezvous_port=plan.port,
+        secret=env.get("HORA_SECRET_KEY", ""),
+        source=reading.launcher,
+        store_prefix=plan.prefix,
+        launch=reading,
+    )
+
+
+def _warn_unlaunched_slurm(env: Mapping[str, str]) -> None:
+    ntasks = env.get("SLURM_NTASKS", "")
+    if ntasks.isdigit() and int(ntasks) > 1 and "SLURM_JOB_ID" in env:
+        logger.warning(
+            "SLURM allocated %s tasks (SLURM_NTASKS=%s) but this process was not started by "
+            "srun, so it runs as a job of one. Start the workers with `srun python ...`.",
+            ntasks,
+            ntasks,
+        )
+
+
+def detect(
+    env: Mapping[str, str] | None = None,
+    use_mpi4py: Callable[[str], bool] | None = None,
+) -> Topology:
     """Work out this process's topology from the environment.
+
+    The launcher that started the process wins: ``horarun`` (``HORA_RANK``), then torchrun
+    (``TORCHELASTIC_RUN_ID``), Open MPI, MPICH/Intel MPI, MVAPICH, a SLURM step, and last
+    torch.distributed's ``env://`` variables. ``HORA_LAUNCHER`` forces one. Every other
+    launcher's variables that are present must fit (see :func:`_compatible`).
 
     Args:
         env: the variables to read (default: ``os.environ``).
+        use_mpi4py: called with an MPI launcher's name; whether rank 0 may send the store's
+            address with mpi4py. Default: :func:`hora.common.joining.mpi4py_usable` when reading
+            ``os.environ``, never for an explicit ``env``.
 
     Raises:
-        TopologyError: the variables are inconsistent.
+        TopologyError: the variables are malformed, incomplete or inconsistent.
     """
     source = os.environ if env is None else env
-    topology = _from_hora(source)
+    if use_mpi4py is None:
+        if env is None:
+            from hora.common.joining import mpi4py_usable
+
+            use_mpi4py = mpi4py_usable
+        else:
+            use_mpi4py = _never
+    forced = (lookup("LAUNCHER", source) or "").lower()
+    if forced and forced not in LAUNCHER_NAMES:
+        raise TopologyError(
+            f"HORA_LAUNCHER must be one of {', '.join(LAUNCHER_NAMES)}; got {forced!r}."
+        )
+    if forced == "none":
+        return Topology(hostname=socket.gethostname(), source="single process (HORA_LAUNCHER)")
+    try:
+        topology, winner = _choose(source, forced, use_mpi4py)
+    except LauncherError as exc:
+        raise TopologyError(str(exc)) from None
+    if winner is not None and not forced:
+        for key, reader in READERS.items():
+            if key == "env" and winner.launcher == "torchrun":
+                continue  # the same variables
+            try:
+                other = reader(source, _never)
+            except LauncherError:
+                continue  # malformed leftovers of another launcher cannot be compared
+            if (
+                other is not None
+                and other.launcher != winner.launcher
+                and not _compatible(winner, other)
+            ):
+                raise _disagreement(winner, other)
     if topology is None:
-        foreign = _foreign_launcher(source)
-        if foreign is not None:
-            raise TopologyError(
-                f"this process was started by {foreign}, whose variables this version of hora "
-                "does not read yet; without them every process would run alone. Launch the "
-                "job with `horarun -np N python script.py` instead."
-            )
+        _warn_unlaunched_slurm(source)
         topology = Topology(hostname=socket.gethostname())
     topology.validate()
     return topology
+
+
+def _never(_launcher: str) -> bool:
+    return False
+
+
+def _same_process_step(env: Mapping[str, str]) -> Reading | None:
+    """The SLURM step's reading when srun itself started this MPI rank, else ``None``."""
+    from hora.common.launchers import mpi_identity, read_slurm
+
+    identity = mpi_identity(env)
+    if identity is None:
+        return None
+    launcher, (rank_var, size_var), _, _ = identity
+    try:
+        slurm = read_slurm(env)
+    except LauncherError:
+        return None
+    if slurm is not None and (env.get(rank_var), env.get(size_var)) == (
+        str(slurm.rank),
+        str(slurm.size),
+    ):
+        return slurm
+    return None
+
+
+def _choose(
+    env: Mapping[str, str], forced: str, use_mpi4py: Callable[[str], bool]
+) -> tuple[Topology | None, Reading | None]:
+    if forced in ("", "horarun"):
+        hora = _from_hora(env)
+        if hora is not None:
+            return hora, _hora_reading(hora, env)
+        if forced:
+            raise TopologyError("HORA_LAUNCHER=horarun but HORA_RANK is not set.")
+    for key, reader in READERS.items():
+        if forced and key != forced:
+            continue
+        if key == "mpi" and not forced:
+            # srun --mpi=pmi2/pmix starts MPI ranks itself: its own variables say more (node
+            # index, tasks per node, the node list) than the PMI ones.
+            slurm = _same_process_step(env)
+            if slurm is not None:
+                return _from_reading(slurm, env), slurm
+        reading = reader(env, use_mpi4py)
+        if reading is not None:
+            logger.debug("topology from %s: %s", reading.launcher, reading.plan.how)
+            return _from_reading(reading, env), reading
+        if forced:
+            raise TopologyError(
+                f"HORA_LAUNCHER={forced} but that launcher's variables are not set."
+            )
+    return None, None

@@ -65,8 +65,8 @@ def test_topology_from_horarun_variables() -> None:
         ({"HORA_RANK": "3", "HORA_SIZE": "2", "HORA_RENDEZVOUS_ADDR": "x"}, "rank 3 is outside"),
         ({"HORA_RANK": "0", "HORA_SIZE": "2"}, "needs a rendezvous address"),
         ({"HORA_RANK": "zero", "HORA_SIZE": "2"}, "must be an integer"),
-        ({"WORLD_SIZE": "2", "RANK": "0"}, "started by torchrun"),
-        ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR is not"),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI set some of its variables"),
     ],
 )
 def test_bad_or_foreign_topology_is_explained(env: dict[str, str], match: str) -> None:

@@ -1,0 +1,431 @@
+"""Joining the job's store when a launcher other than ``horarun`` started this process.
+
+:func:`join` takes the :class:`~hora.common.topology.Topology` that
+:func:`~hora.common.topology.detect` read and returns a connected
+:class:`~hora.common.rendezvous.StoreClient` and the finished topology. On the way it:
+
+* starts the store in the process that hosts it (MPI's rank 0, the first task of a SLURM step,
+  rank 0 under ``env://``), listening only on the job's address;
+* under MPI with ``mpi4py``, has rank 0 pick a free port and a fresh job secret and send both,
+  with its address, to the other ranks over MPI (``bcast``);
+* in torchrun's agent store, which outlives a round of workers, agrees with the other ranks on a
+  fresh key prefix for this round, so nothing a previous round left there is read again;
+* works out local and cross ranks by exchanging host names where the launcher does not export
+  them (MPI);
+* keeps a store it started alive at exit until the other ranks have detached.
+
+It knows stores, sockets and launchers' plans, not the engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import warnings
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+from hora.common.config import flag, lookup
+from hora.common.launchers import StorePlan
+from hora.common.rendezvous import StoreClient, new_secret, sign, start_store_server, verify
+from hora.common.topology import Topology, TopologyError
+
+logger = logging.getLogger("hora")
+
+# How often rank 0 looks for the others' greetings while agreeing on a round's prefix.
+ROUND_POLL_S = 0.02
+# How long a process that hosts the store waits at exit for the other ranks to detach.
+LINGER_S = 10.0
+
+_lock = threading.Lock()
+# Stores started by this process, by (address, port): they live until the process exits.
+_servers: dict[tuple[str, int], Any] = {}
+_linger: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------- mpi4py
+
+
+def mpi4py_usable(launcher: str) -> bool:
+    """Whether rank 0 may send the store's address with mpi4py under ``launcher``.
+
+    True when ``HORA_MPI4PY`` is not 0, mpi4py imports, and its MPI library is the launcher's
+    (an mpi4py built for Open MPI started by MPICH's ``mpiexec`` would see a world of one).
+    Importing ``mpi4py.MPI`` here does not initialize MPI; :func:`join` does.
+    """
+    if not flag("MPI4PY", default=True):
+        return False
+    try:
+        mpi = _import_mpi()
+    except ImportError:
+        return False
+    except Exception as exc:  # noqa: BLE001 - a broken MPI install must not stop hvd.init()
+        logger.debug("mpi4py is installed but cannot be loaded (%s); not using it", exc)
+        return False
+    version = str(mpi.Get_library_version())
+    if launcher == "Open MPI":
+        matches = "Open MPI" in version
+    elif launcher == "MVAPICH":
+        matches = "MVAPICH" in version
+    else:
+        matches = "Open MPI" not in version
+    if not matches:
+        logger.debug(
+            "mpi4py's MPI (%s) is not %s's; rendezvous without mpi4py",
+            version.splitlines()[0] if version else "?",
+            launcher,
+        )
+    return matches
+
+
+def _import_mpi() -> Any:
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        # Initialize MPI ourselves, only once we know it is the launcher's MPI; finalize at exit.
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+        with warnings.catch_warnings():
+            # mpi4py warns at import about another MPI's launcher variables; hora says it better.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            from mpi4py import MPI
+        return MPI
+    return sys.modules["mpi4py.MPI"]
+
+
+def _mpi_world(topology: Topology) -> Any:
+    mpi = _import_mpi()
+    if not mpi.Is_initialized():
+        mpi.Init_thread(mpi.THREAD_MULTIPLE)
+    world = mpi.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
+        raise TopologyError(
+            f"{topology.source} says this is rank {topology.rank} of {topology.size}, but "
+            f"mpi4py's MPI_COMM_WORLD says rank {world.Get_rank()} of {world.Get_size()}: "
+            "mpi4py is probably built for another MPI than the one that launched the job. "
+            "Set HORA_MPI4PY=0 to rendezvous without it, or install mpi4py for this MPI."
+        )
+    return world
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def _resolve(addr: str) -> str:
+    """An IP address for ``addr`` (a host name or an address), preferring IPv4."""
+    try:
+        return str(ipaddress.ip_address(addr))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise TopologyError(f"cannot resolve the rendezvous host {addr!r}: {exc}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(infos[0][4][0])
+
+
+def _own_address(topology: Topology) -> str:
+    """The address rank 0 offers the other ranks when no variable names one (MPI with mpi4py)."""
+    if _all_local(topology):
+        return "127.0.0.1"
+    interface = lookup("GLOO_IFACE") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if interface:
+        import psutil
+
+        for entry in psutil.net_if_addrs().get(interface.split(",")[0], []):
+            if entry.family == socket.AF_INET:
+                return str(entry.address)
+        raise TopologyError(f"network interface {interface!r} has no IPv4 address on this host.")
+    try:
+        address = _resolve(socket.getfqdn())
+    except TopologyError:
+        address = ""
+    if address and not ipaddress.ip_address(address).is_loopback:
+        return address
+    # The host name resolves to loopback (common on Debian): use the address of the interface
+    # that routes outwards. Connecting a UDP socket sends nothing.
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1, never routed to a real host
+        return str(probe.getsockname()[0])
+    except OSError:
+        raise TopologyError(
+            "cannot tell which address of this host the other hosts reach: set "
+            "HORA_GLOO_IFACE to the network interface, or MASTER_ADDR to this host's address."
+        ) from None
+    finally:
+        probe.close()
+
+
+def _all_local(topology: Topology) -> bool:
+    launch = topology.launch
+    return launch is not None and launch.local_size == topology.size
+
+
+def _host_store(topology: Topology, addr: str, port: int, timeout_s: float) -> int:
+    """Start the job's store on ``addr:port`` in this process (once per process); its port."""
+    bind = _resolve(addr)
+    with _lock:
+        for (bound, bound_port), _server in _servers.items():
+            if bound == bind and port in (0, bound_port):
+                return bound_port
+        try:
+            server, bound_port = start_store_server(bind, port, timeout_s)
+        except OSError as exc:
+            hint = (
+                f"{addr} ({bind}) is not an address of this host ({socket.gethostname()}): "
+                "set MASTER_ADDR or HORA_RENDEZVOUS_ADDR to the host where this rank runs"
+                if exc.errno == errno.EADDRNOTAVAIL
+                else "Another job may be using the port: set HORA_RENDEZVOUS_PORT (or "
+                "MASTER_PORT) to a free port"
+            )
+            raise TopologyError(
+                f"rank {topology.rank} ({topology.source}) cannot start the job's rendezvous "
+                f"store on {bind}:{port}: {exc.strerror or exc}. {hint}."
+            ) from None
+        _servers[(bind, bound_port)] = server
+    logger.debug("rank %d hosts the job's store on %s:%d", topology.rank, bind, bound_port)
+    return bound_port
+
+
+# ---------------------------------------------------------------- torchrun rounds
+
+
+def _agree_round(
+    store: Any, prefix: str, secret: str, rank: int, size: int, timeout_s: float
+) -> str:
+    """A token that every rank of this round of a torchrun job agrees on.
+
+    torchrun's agent store lives across restarts and resizes, so what an earlier round wrote is
+    still there, and ``TORCHELASTIC_RESTART_COUNT`` differs between nodes after a resize. Each
+    rank greets rank 0 with a fresh nonce; rank 0 answers every greeting it sees with its fresh
+    token under a key named by the nonce (so no rank can read a previous round's answer), until
+    every rank has acknowledged under a key named by the token.
+    """
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        token = secrets.token_hex(16)
+        answered: dict[int, bytes] = {}
+        pending = set(range(1, size))
+        while pending:
+            for peer in sorted(pending):
+                greeting = f"{prefix}round/hello/{peer}"
+                if store.check([greeting]):
+                    nonce = bytes(store.get(greeting))
+                    if answered.get(peer) != nonce:
+                        answered[peer] = nonce
+                        key = f"{prefix}round/welcome/{nonce.hex()}"
+                        store.set(key, sign(secret, token.encode(), key=key))
+                if store.check([f"{prefix}{token}/ready/{peer}"]):
+                    pending.discard(peer)
+            if pending and time.monotonic() > deadline:
+                raise TopologyError(_missing_ranks(sorted(pending), timeout_s))
+            if pending:
+                time.sleep(ROUND_POLL_S)
+        return token
+    nonce = secrets.token_bytes(16)
+    store.set(f"{prefix}round/hello/{rank}", nonce)
+    key = f"{prefix}round/welcome/{nonce.hex()}"
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError:
+        raise TopologyError(
+            f"rank {rank} waited {timeout_s:g} s for rank 0 in torchrun's store; is rank 0 "
+            "running and calling hvd.init()? Raise HORA_START_TIMEOUT if start-up is slow."
+        ) from None
+    token = verify(secret, bytes(store.get(key)), what="round token", key=key).decode()
+    store.set(f"{prefix}{token}/ready/{rank}", b"1")
+    return token
+
+
+def _missing_ranks(ranks: list[int], timeout_s: float) -> str:
+    shown = ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
+    return (
+        f"rank 0 waited {timeout_s:g} s for ranks {shown} to call hvd.init(). Check their "
+        "output; raise HORA_START_TIMEOUT if start-up is slow."
+    )
+
+
+# ---------------------------------------------------------------- local and cross ranks
+
+
+def _exchange(store: StoreClient, topology: Topology, generation: int) -> Topology:
+    """Local and cross ranks from every rank's host name (and local rank, where known).
+
+    Horovod's definitions: local ranks number the processes of one host in global-rank order;
+    the cross rank is the position among the processes with the same local rank.
+    """
+    launch = topology.launch
+    if launch is None:
+        return topology
+    mine = {"host": topology.hostname, "local_rank": launch.local_rank}
+    store.set_signed(f"g{generation}/topology/{topology.rank}", json.dumps(mine).encode())
+    names = [f"g{generation}/topology/{r}" for r in range(topology.size)]
+    keys = [store.key(name) for name in names]
+    try:
+        store.store.wait(keys, timedelta(seconds=store.timeout_s))
+    except RuntimeError:
+        missing = [r for r, name in enumerate(names) if not store.check(name)]
+        raise TopologyError(_missing_ranks(missing, store.timeout_s)) from None
+    blobs = store.store.multi_get(keys)
+    peers = [
+        json.loads(verify(store.secret, bytes(blob), what="topology", key=name))
+        for name, blob in zip(names, blobs)
+    ]
+    if any(p["local_rank"] is None for p in peers):
+        seen: dict[str, int] = {}
+        for peer in peers:
+            peer["local_rank"] = seen.get(peer["host"], 0)
+            seen[peer["host"]] = peer["local_rank"] + 1
+    local_rank = peers[topology.rank]["local_rank"]
+    local_size = launch.local_size
+    if local_size is None:
+        local_size = sum(1 for p in peers if p["host"] == topology.hostname)
+    same_local = [r for r, p in enumerate(peers) if p["local_rank"] == local_rank]
+    return replace(
+        topology,
+        local_rank=local_rank,
+        local_size=local_size,
+        cross_rank=same_local.index(topology.rank),
+        cross_size=len(same_local),
+    )
+
+
+# ---------------------------------------------------------------- join
+
+
+def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Topology, StoreClient]:
+    """Connect to the job's store (starting it first where this process hosts it).
+
+    Args:
+        topology: what :func:`~hora.common.topology.detect` returned.
+        timeout_s: how long to wait for the store and for the other ranks.
+        generation: how many times ``hvd.init`` ran before in this process (keeps keys apart).
+
+    Returns:
+        The finished topology (address, port, secret and all ranks filled in) and the store.
+
+    Raises:
+        TopologyError: the store cannot be started or reached, or the ranks disagree.
+    """
+    plan = topology.plan
+    if plan is None:
+        store = StoreClient(
+            topology.rendezvous_addr, topology.rendezvous_port, topology.secret, timeout_s
+        )
+        return topology, store
+    addr, port, secret = plan.addr, plan.port, topology.secret
+    if plan.mpi4py:
+        addr, port, secret = _exchange_over_mpi(topology, plan, timeout_s)
+    elif plan.host:
+        port = _host_store(topology, addr, port, timeout_s)
+    authenticated = bool(secret)
+    if not authenticated:
+        # No launcher handed out a secret: keys are still kept apart per job, but anyone who
+        # can reach the store could read and write them (docs/security.md).
+        secret = f"unauthenticated:{plan.job_id}"
+    try:
+        store = StoreClient(addr, port, secret, timeout_s, prefix=plan.prefix)
+    except RuntimeError as exc:
+        raise TopologyError(
+            f"rank {topology.rank} ({topology.source}) cannot reach the job's store at "
+            f"{addr}:{port} ({plan.how}) within {timeout_s:g} s: {exc.__cause__ or exc}. Check "
+            "that the rank hosting it started (its output says why not). If the address "
+            "resolves to a loopback address on its own host, set HORA_RENDEZVOUS_ADDR (or "
+            "MASTER_ADDR) to one the other hosts reach; raise HORA_START_TIMEOUT if start-up is "
+            "slow."
+        ) from exc
+    prefix = plan.prefix
+    if plan.shared:
+        token = _agree_round(store.store, prefix, secret, topology.rank, topology.size, timeout_s)
+        prefix = f"{prefix}{token}/"
+        store = StoreClient(addr, port, secret, timeout_s, prefix=prefix)
+    topology = replace(
+        topology,
+        rendezvous_addr=addr,
+        rendezvous_port=port,
+        secret=secret,
+        authenticated=authenticated,
+        store_prefix=prefix,
+    )
+    if plan.exchange:
+        topology = _exchange(store, topology, generation)
+    topology.validate()
+    if plan.host or (plan.mpi4py and topology.rank == 0):
+        _linger_at_exit(store, topology, generation)
+    if not authenticated and topology.rank == 0:
+        logger.warning(
+            "%s hands out no job secret and HORA_SECRET_KEY is not set: the job's store at "
+            "%s:%d is not authenticated, so any process that can reach it can read and write "
+            "the job's keys. Export HORA_SECRET_KEY (the same random value on every rank) to "
+            "authenticate it; see docs/security.md.",
+            topology.source,
+            addr,
+            port,
+        )
+    logger.debug("joined %s: %s", plan.how, topology)
+    return topology, store
+
+
+def _exchange_over_mpi(
+    topology: Topology, plan: StorePlan, timeout_s: float
+) -> tuple[str, int, str]:
+    world = _mpi_world(topology)
+    offer: tuple[str, str, int, str] | None = None
+    if topology.rank == 0:
+        try:
+            addr = plan.addr or _own_address(topology)
+            port = _host_store(topology, addr, plan.port, timeout_s)
+            offer = ("ok", addr, port, topology.secret or new_secret())
+        except TopologyError as exc:
+            offer = ("error", str(exc), 0, "")
+    status, addr, port, secret = world.bcast(offer, root=0)
+    if status != "ok":
+        raise TopologyError(addr if topology.rank == 0 else f"rank 0 failed: {addr}")
+    return addr, port, secret
+
+
+# ---------------------------------------------------------------- leaving
+
+
+def detach(store: StoreClient, rank: int, generation: int) -> None:
+    """Tell the process that hosts the store that this rank no longer needs it."""
+    try:
+        store.store.set(store.key(f"detached/{generation}/{rank}"), b"1")
+    except Exception:  # noqa: BLE001 - best effort while leaving
+        pass
+
+
+def _linger_at_exit(store: StoreClient, topology: Topology, generation: int) -> None:
+    """At exit, keep this process (and the store it hosts) until the other ranks detached."""
+    _linger["generation"] = generation
+    _linger["store"] = store.reconnect()
+    _linger["size"] = topology.size
+    _linger["rank"] = topology.rank
+    if not _linger.get("registered"):
+        atexit.register(_wait_for_detach)
+        _linger["registered"] = True
+
+
+def _wait_for_detach() -> None:
+    store: StoreClient | None = _linger.get("store")
+    if store is None:
+        return
+    generation = _linger.get("generation", 0)
+    others = [r for r in range(_linger["size"]) if r != _linger["rank"]]
+    keys = [store.key(f"detached/{generation}/{r}") for r in others]
+    try:
+        store.store.wait(keys, timedelta(seconds=LINGER_S))
+    except Exception:  # noqa: BLE001 - a rank that died never detaches; stop waiting
+        logger.debug("stopped waiting for ranks to detach from the store after %g s", LINGER_S)
