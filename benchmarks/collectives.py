@@ -341,14 +341,6 @@ def format_table(results: dict[str, Any]) -> str:
                 harness.verdict(row["pass"]),
             )
         )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-        return "  ".join([first, *rest])
-
-    rule = "-" * len(line(header))
     title = (
         f"hora {results['hora_version']} ({results['hora_revision']}) vs torch.distributed gloo "
         f"(torch {results['torch_version']}), {results['world_size']} ranks, "
@@ -362,7 +354,7 @@ def format_table(results: dict[str, Any]) -> str:
     )
     passed = sum(r["pass"] for r in results["goals"])
     summary = f"goals met: {passed}/{len(results['goals'])}"
-    return "\n".join([title, rule, line(header), rule, *map(line, rows), rule, notes, summary])
+    return "\n".join([title, *harness.table(header, rows), notes, summary])
 
 
 def goals(results: dict[str, Any]) -> list[dict[str, Any]]:

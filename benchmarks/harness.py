@@ -61,3 +61,16 @@ def source_revision() -> str | None:
 
 def verdict(passed: bool) -> str:
     return "PASS" if passed else "MISS"
+
+
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """An aligned text table: the first column left-aligned, the others right-aligned, ruled."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join([first, *rest])
+
+    rule = "-" * len(line(header))
+    return [rule, line(header), rule, *map(line, rows), rule]

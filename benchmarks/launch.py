@@ -163,14 +163,6 @@ def format_table(results: dict[str, Any]) -> str:
         )
         for row in results["cases"]
     ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-        return "  ".join([first, *rest])
-
-    rule = "-" * len(line(header))
     title = (
         f"hora {results['hora_version']} ({results['hora_revision']}) launch overhead vs "
         f"torchrun (torch {results['torch_version']}), {results['np']} workers, "
@@ -182,7 +174,7 @@ def format_table(results: dict[str, Any]) -> str:
     )
     passed = sum(row["pass"] for row in results["cases"])
     summary = f"goals met: {passed}/{len(results['cases'])}"
-    return "\n".join([title, rule, line(header), rule, *map(line, rows), rule, notes, summary])
+    return "\n".join([title, *harness.table(header, rows), notes, summary])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -428,18 +428,6 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-        return "  ".join([first, *rest])
-
-    rule = "-" * len(line(header))
-    return [rule, line(header), rule, *map(line, rows), rule]
-
-
 def format_table(results: dict[str, Any]) -> str:
     size = results["world_size"]
     header = (
@@ -513,9 +501,9 @@ def format_table(results: dict[str, Any]) -> str:
     )
     passed = sum(r["pass"] for r in results["models"])
     summary = f"goals met: {passed}/{len(results['models'])}"
-    lines = [title, *render(header, rows)]
+    lines = [title, *harness.table(header, rows)]
     lines += ["step time breakdown (step: slowest rank; fwd/bwd/opt.step: rank 0's medians)"]
-    lines += render(detail_header, detail)
+    lines += harness.table(detail_header, detail)
     lines += [*checks, notes, summary]
     return "\n".join(lines)
 

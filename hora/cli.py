@@ -1,4 +1,5 @@
-"""The ``hora`` command: subcommands around hora jobs (``hora doctor``, ``hora check-build``).
+"""The ``hora`` command: subcommands around hora jobs (``hora doctor``, ``hora timeline``,
+``hora bench scaling``, ...).
 
 Each subcommand is a function taking its parsed arguments; add one with :func:`build_parser`.
 ``horarun`` stays its own command, as ``horovodrun`` is.
@@ -42,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(handler=_doctor)
     check = commands.add_parser("check-build", help="the same report as `horarun --check-build`")
     check.set_defaults(handler=_check_build)
+    # hora timeline summarize|merge|plot: the parser and handlers live with the reader.
+    from hora.tools.timeline_report import add_parser as add_timeline_parser
+
+    add_timeline_parser(commands)
+    # hora bench scaling: a group for benchmark studies; each study brings its flags and handler.
+    bench = commands.add_parser("bench", help="benchmark studies of hora jobs: scaling")
+    studies = bench.add_subparsers(dest="study", required=True, metavar="STUDY")
+    from hora.tools.scaling import add_parser as add_scaling_parser
+
+    add_scaling_parser(studies)
     return parser
 
 

@@ -19,6 +19,7 @@ from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
 from hora.common.process_sets import ProcessSet
 from hora.common.rendezvous import StoreClient
+from hora.common.timeline import Timeline, merge
 from hora.common.topology import Topology, detect
 from hora.common.transport import Communicator
 
@@ -38,6 +39,8 @@ class _State:
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
         self.exit_cause: str | None = None
+        # The timeline path this process wrote last (rank 0 merges the ranks' files at exit).
+        self.timeline_path: str | None = None
 
 
 _state = _State()
@@ -133,6 +136,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         _state.generation += 1
         engine.start()
         _state.engine = engine
+        path = lookup("TIMELINE")
+        if path:
+            _open_timeline(engine, path, flag("TIMELINE_MARK_CYCLES"))
         _state.topology = topology
         _state.store = store
         global_process_set.ranks = list(range(topology.size))
@@ -171,6 +177,79 @@ def _shutdown_at_exit() -> None:
     shutdown(reason)
 
 
+def _open_timeline(engine: Engine, path: str, mark_cycles: bool) -> None:
+    previous = engine.timeline
+    engine.timeline = Timeline(path, engine.rank, mark_cycles)
+    if previous is not None:
+        previous.close()
+    _state.timeline_path = path
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a timeline (every rank calls it; rank r > 0 writes ``FILE.rank<r>``).
+
+    See docs/profiling.md. A timeline already running is closed first.
+
+    Raises:
+        ValueError: ``init`` has not been called.
+    """
+    with _state.lock:
+        _open_timeline(engine(), os.fspath(file_path), mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close this rank's file (valid JSON from then on)."""
+    with _state.lock:
+        current = _state.engine
+        if current is not None and current.timeline is not None:
+            timeline, current.timeline = current.timeline, None
+            timeline.close()
+
+
+# How long rank 0 waits at shutdown for the other ranks' timeline files to be closed.
+TIMELINE_MERGE_WAIT_S = 5.0
+
+
+def _finish_timeline(engine: Engine, store: StoreClient | None) -> None:
+    """Close this rank's timeline; rank 0 merges the ranks' files if the job ended well."""
+    if engine.timeline is not None:
+        engine.timeline.close()
+        engine.timeline = None
+    path, _state.timeline_path = _state.timeline_path, None
+    if path is None or engine.failure is not None:
+        return
+    key = f"g{_state.generation - 1}/timeline-closed/"
+    try:
+        if engine.size > 1 and store is not None:
+            if engine.rank != 0:
+                store.set_signed(key + str(engine.rank), b"")
+                return
+            closed = [
+                store.wait(key + str(r), TIMELINE_MERGE_WAIT_S) for r in range(1, engine.size)
+            ]
+            if not all(closed):
+                logger.warning(
+                    "not every rank closed its timeline file within %.0f s; the files next to "
+                    "%s were left as they are (hora timeline summarize reads them together).",
+                    TIMELINE_MERGE_WAIT_S,
+                    path,
+                )
+                return
+        if not merge(path, range(engine.size)):
+            logger.warning(
+                "the timeline's rank files next to %s were not all found; they were left as "
+                "they are (hora timeline summarize reads them together).",
+                path,
+            )
+    except Exception as exc:  # noqa: BLE001 - never fail a shutdown over the timeline
+        logger.warning(
+            "could not merge the timeline's rank files into %s (%s); they were left as they "
+            "are (hora timeline summarize reads them together).",
+            path,
+            exc,
+        )
+
+
 def shutdown(reason: str | None = None) -> None:
     """Stop the engine. Pending operations on every rank fail; ``init`` may be called again."""
     with _state.lock:
@@ -178,6 +257,7 @@ def shutdown(reason: str | None = None) -> None:
         if engine is None:
             return
         engine.shutdown(reason)
+        _finish_timeline(engine, _state.store)
         launched_elsewhere = _state.topology is not None and _state.topology.launch is not None
         if _state.store is not None and launched_elsewhere and engine.size > 1:
             # A rank may host the store (srun, mpirun): it waits at exit for this.
@@ -187,6 +267,12 @@ def shutdown(reason: str | None = None) -> None:
             if process_set is not global_process_set:
                 process_set._unbind()
         _state.process_sets = {}
+
+
+def current_timeline() -> Timeline | None:
+    """The timeline being written, if any (cheap enough for a per-gradient hook)."""
+    current = _state.engine
+    return current.timeline if current is not None else None
 
 
 def is_initialized() -> bool:

@@ -96,6 +96,10 @@ class Settings:
         log_level: ``TRACE``, ``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``.
         steady_state: replay a repeating sequence of allreduces without negotiating each one
             (``HORA_STEADY_STATE``, on by default; see docs/engine.md).
+        autotune: try batch sizes for the steady state online and keep the fastest.
+        autotune_log: where rank 0 logs the autotune trials (CSV), or ``None``.
+        autotune_warmup_samples: steps after each autotune change that are not measured.
+        autotune_steps_per_sample: measured steps per autotune candidate.
     """
 
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
@@ -109,6 +113,10 @@ class Settings:
     disable_group_fusion: bool = False
     log_level: str = "WARNING"
     steady_state: bool = True
+    autotune: bool = False
+    autotune_log: str | None = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -129,12 +137,20 @@ class Settings:
             disable_group_fusion=_bool("DISABLE_GROUP_FUSION", False, env),
             log_level=(lookup("LOG_LEVEL", env) or "WARNING").upper(),
             steady_state=_bool("STEADY_STATE", True, env),
+            autotune=_bool("AUTOTUNE", False, env),
+            autotune_log=lookup("AUTOTUNE_LOG", env) or None,
+            autotune_warmup_samples=_int("AUTOTUNE_WARMUP_SAMPLES", 3, env),
+            autotune_steps_per_sample=_int("AUTOTUNE_STEPS_PER_SAMPLE", 10, env),
         )
         settings.validate()
         return settings
 
     def validate(self) -> None:
         """Raise :class:`SettingError` for values out of range."""
+        if self.autotune_warmup_samples < 0:
+            raise SettingError("HORA_AUTOTUNE_WARMUP_SAMPLES must be >= 0 steps.")
+        if self.autotune_steps_per_sample < 1:
+            raise SettingError("HORA_AUTOTUNE_STEPS_PER_SAMPLE must be >= 1 step.")
         if self.fusion_threshold_bytes < 0:
             raise SettingError("HORA_FUSION_THRESHOLD must be >= 0 bytes (0 turns fusion off).")
         if self.cycle_time_ms < 0:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hora.common import fusion, steady
+from hora.common.autotune import Autotuner
 from hora.common.config import Settings
 from hora.common.dtypes import FLOATING, INTEGER
 from hora.common.errors import DUPLICATE_NAME, HoraInternalError, shut_down_message
@@ -46,6 +47,7 @@ from hora.common.rendezvous import (
     sign,
 )
 from hora.common.stall import StallInspector
+from hora.common.timeline import ENGINE_ROW, Timeline
 from hora.common.topology import Topology
 from hora.common.transport import Communicator, Pending, TransportError
 
@@ -134,6 +136,8 @@ class Entry:
     on_done: Callable[[Any], Any] | None = field(default=None)
     # The steady-state schedule whose batch buffer already holds this entry's tensor.
     staged: steady.Schedule | None = None
+    # When it was submitted (timeline microseconds; 0 when no timeline was running).
+    submitted: int = 0
 
 
 def _compute_dtype(dtype: torch.dtype, op: ReduceOp) -> tuple[torch.dtype, ReduceOp]:
@@ -229,6 +233,22 @@ class Engine:
         self._cuts: set[str] = set()
         # Times the steady state was entered and left, and batches it ran (tests and tools read it).
         self.steady_stats = {"entered": 0, "left": 0, "batches": 0}
+        # The timeline being written, if any (set by hora.common.basics).
+        self.timeline: Timeline | None = None
+        self._autotuner = (
+            Autotuner(
+                settings.fusion_threshold_bytes,
+                settings.autotune_warmup_samples,
+                settings.autotune_steps_per_sample,
+                settings.autotune_log,
+                topology.rank,
+            )
+            if settings.autotune and settings.steady_state and topology.size > 1
+            else None
+        )
+        self._period_started = 0.0
+        self._batch_number = 0
+        self._agreed_at = 0
         self._steady_aborts = 0
         self._blocked: dict[Handle, float] = {}
         self._control = self._connect("control", 0, self.rank, self.size)
@@ -331,6 +351,11 @@ class Engine:
                 raise ValueError(DUPLICATE_NAME.format(name=names[0]))
             for entry in entries:
                 self._in_flight[entry.request.name] = entry
+            timeline = self.timeline
+            if timeline is not None:
+                submitted = timeline.now()
+                for entry in entries:
+                    entry.submitted = submitted
             if self._schedule is not None:
                 self._stage(self._schedule, entries)
             self._queue.extend(entries)
@@ -420,10 +445,15 @@ class Engine:
             with torch.no_grad():
                 return self._steady_cycle()
         self._wait_for_turn()
+        timeline = self.timeline
+        if timeline is not None and timeline.mark_cycles:
+            timeline.instant(ENGINE_ROW, "CYCLE")
         new = self._drain()
         contributions = self._exchange(new)
         shutdown_reason = self._integrate(contributions)
         responses = self._table.ready(self._cache)
+        if timeline is not None:
+            self._agreed_at = timeline.now()
         had_news = any(reqs for reqs, _ in contributions) or bool(responses)
         self._idle_cycles = 0 if had_news else self._idle_cycles + 1
         self._execute(responses)
@@ -517,14 +547,12 @@ class Engine:
         period = self._history.period()
         if period is None:
             return
-        schedule = steady.build_schedule(period, self.settings.fusion_threshold_bytes, self._cuts)
-        for batch in schedule.batches:
-            numel = sum(r.num_elements for r in batch) + self.size
-            schedule.buffers.append(torch.empty(numel, dtype=_torch_dtype(batch[0].dtype)))
-        with self._wakeup:
-            self._schedule = schedule
+        schedule = self._build_schedule(period)
+        self._period_started = 0.0
         self._history.clear()
         self.steady_stats["entered"] += 1
+        if self.timeline is not None:
+            self.timeline.instant(ENGINE_ROW, "STEADY_STATE_ENTER")
         logger.debug(
             "rank %d: steady state, %d allreduces in %d batches per period",
             self.rank,
@@ -532,12 +560,53 @@ class Engine:
             len(schedule.batches),
         )
 
+    def _build_schedule(self, period: list[Response]) -> steady.Schedule:
+        """Cut ``period`` into batches (autotune's current sizes), allocate, and install it."""
+        sizes: dict[str, int] = {}
+        if self._autotuner is not None:
+            current = self._autotuner.current
+            sizes = {
+                "first_bucket_bytes": current.first_bucket_bytes,
+                "bucket_bytes": current.bucket_bytes,
+            }
+        schedule = steady.build_schedule(
+            period, self.settings.fusion_threshold_bytes, self._cuts, **sizes
+        )
+        for batch in schedule.batches:
+            numel = sum(r.num_elements for r in batch) + self.size
+            schedule.buffers.append(torch.empty(numel, dtype=_torch_dtype(batch[0].dtype)))
+        with self._wakeup:
+            self._schedule = schedule
+        return schedule
+
+    def _period_finished(self, schedule: steady.Schedule) -> None:
+        """The schedule wrapped around: one step is done. Feed autotune."""
+        now = time.monotonic()
+        started, self._period_started = self._period_started, now
+        tuner = self._autotuner
+        if tuner is None or tuner.done or not started:
+            return
+        local = tuner.step_finished(now - started)
+        if local is None:
+            return
+        # Every rank is at this same point of the same schedule: agree on the score.
+        slowest = torch.tensor([local], dtype=torch.float64)
+        self._control.allreduce(slowest, ReduceOp.MAX)
+        before = tuner.current
+        after = tuner.scored(local, float(slowest[0]))
+        if after != before:
+            self._build_schedule(schedule.period)
+        self._period_started = 0.0
+
     def _steady_cycle(self) -> bool:
         """Run the schedule's next batch, or leave the steady state on a deviation."""
         schedule = self._schedule
         assert schedule is not None
         batch = schedule.current
         code, deviation = self._collect_batch(schedule)
+        timeline = self.timeline
+        started = timeline.now() if timeline is not None else 0
+        self._batch_number += 1
         entries = [] if code != steady.FOLLOWING else [self._take(r.name) for r in batch]
         head = batch[0]
         sizes = [r.num_elements for r in batch]
@@ -557,7 +626,18 @@ class Engine:
             data.zero_()
         codes.zero_()
         codes[self.rank] = code
-        self._communicators[0].allreduce_async(buffer, ReduceOp.SUM).wait()
+        issued = timeline.now() if timeline is not None else 0
+        try:
+            self._communicators[0].allreduce_async(buffer, ReduceOp.SUM).wait()
+        except TransportError:
+            # The job is failing: hand the batch's entries back so that their handles fail
+            # with the diagnosis instead of waiting forever.
+            with self._wakeup:
+                for entry in entries:
+                    if entry is not None:
+                        self._in_flight[entry.request.name] = entry
+            raise
+        done = timeline.now() if timeline is not None else 0
         if bool(codes.any()):
             self._leave_steady_state(deviation, entries, [int(c) for c in codes.tolist()])
             return True
@@ -568,7 +648,21 @@ class Engine:
             postscale /= self.size
         # Completed here rather than on the finisher: the next batch cannot start before this
         # one is done anyway, and a hand-off between threads costs more than the copy.
-        _scale_out([e for e in entries if e is not None], data, sizes, postscale)
+        finished = [e for e in entries if e is not None]
+        _scale_out(finished, data, sizes, postscale)
+        if timeline is not None:
+            args = '{"op":"ALLREDUCE"}'
+            for entry in finished:
+                if entry.submitted:
+                    row = timeline.row(entry.request.name)
+                    timeline.complete(row, "WAIT_FOR_BATCH", entry.submitted, started, args)
+            times = (started, issued, done, timeline.now())
+            nbytes = total * buffer.itemsize
+            self._trace_collective(
+                finished, RequestType.ALLREDUCE, self._batch_number, times, nbytes
+            )
+        if schedule.position == 0:
+            self._period_finished(schedule)
         self._last_cycle_end = time.monotonic()
         return True
 
@@ -649,6 +743,8 @@ class Engine:
         self._history.clear()
         self._steady_aborts += 1
         self.steady_stats["left"] += 1
+        if self.timeline is not None:
+            self.timeline.instant(ENGINE_ROW, "STEADY_STATE_LEAVE")
         self._history.repeats = min(2 + self._steady_aborts, 10)
         self._last_cycle_end = 0.0
         logger.debug(
@@ -730,6 +826,8 @@ class Engine:
             responses, self.settings.fusion_threshold_bytes, self.settings.disable_group_fusion
         ):
             head = batch[0]
+            self._batch_number += 1
+            traced = self._trace_negotiated(batch) if self.timeline is not None else None
             if head.error is not None:
                 for name in head.names:
                     self._fail_name(name, head.error)
@@ -761,6 +859,63 @@ class Engine:
                 self._alltoall(head, comm, members)
             elif head.kind == RequestType.REDUCESCATTER:
                 self._reducescatter(head, comm, members)
+            if traced is not None and head.kind != RequestType.ALLREDUCE and self.timeline:
+                entries, start = traced
+                end = self.timeline.now()
+                times = (start, start, end, end)
+                self._trace_collective(
+                    entries, head.kind, self._batch_number, times, head.num_bytes
+                )
+
+    def _trace_negotiated(self, batch: list[Response]) -> tuple[list[Entry | None], int]:
+        """NEGOTIATE and QUEUE for this rank's tensors of a batch that starts now.
+
+        Returns:
+            (the batch's entries on this rank, the batch's start).
+        """
+        timeline = self.timeline
+        assert timeline is not None
+        start = timeline.now()
+        args = f'{{"op":"{batch[0].kind.name}"}}'
+        with self._wakeup:
+            entries = [self._in_flight.get(name) for r in batch for name in r.names]
+        for entry in entries:
+            if entry is None or not entry.submitted:
+                continue
+            row = timeline.row(entry.request.name)
+            agreed = max(self._agreed_at, entry.submitted)
+            timeline.complete(row, "NEGOTIATE", entry.submitted, agreed, args)
+            timeline.complete(row, "QUEUE", agreed, start)
+        return entries, start
+
+    def _trace_collective(
+        self,
+        entries: Sequence[Entry | None],
+        kind: RequestType,
+        number: int,
+        times: tuple[int, int, int, int],
+        nbytes: int,
+    ) -> None:
+        """A batch's copy in, collective and copy out, on each of its tensors' rows.
+
+        Args:
+            times: batch start, collective start, collective end, results delivered.
+        """
+        timeline = self.timeline
+        if timeline is None:
+            return
+        start, issued, done, end = times
+        batch = f'{{"batch":{number}}}'
+        detail = f'{{"batch":{number},"tensors":{len(entries)},"bytes":{nbytes}}}'
+        for entry in entries:
+            if entry is None:
+                continue
+            row = timeline.row(entry.request.name)
+            if issued > start:
+                timeline.complete(row, "MEMCPY_IN_FUSION_BUFFER", start, issued, batch)
+            timeline.complete(row, kind.name, issued, done, detail)
+            if end > done:
+                timeline.complete(row, "MEMCPY_OUT_FUSION_BUFFER", done, end, batch)
 
     def _take(self, name: str) -> Entry | None:
         with self._wakeup:
@@ -782,6 +937,9 @@ class Engine:
         The engine goes on negotiating (and starting) the next batches while this one is on
         the wire, as gradients of earlier layers arrive during backward.
         """
+        timeline = self.timeline
+        started = timeline.now() if timeline is not None else 0
+        number = self._batch_number
         entries = [self._take(r.names[0]) for r in batch]
         head = batch[0].template()
         inputs: list[torch.Tensor] = []
@@ -810,13 +968,19 @@ class Engine:
         if work_dtype != flat.dtype or device.type != "cpu":
             work = flat.to(device="cpu", dtype=work_dtype)
         work = _scale(work, head.prescale)
+        issued = timeline.now() if timeline is not None else 0
         pending = comm.allreduce_async(work, work_op)
 
         def complete() -> None:
+            done = timeline.now() if timeline is not None else 0
             result = _scale(work, postscale)
             if result is not flat:
                 flat.copy_(result)
             _copy_out(entries, flat, [t.numel() for t in inputs])
+            if timeline is not None:
+                times = (started, issued, done, timeline.now())
+                nbytes = batch[0].num_bytes if len(batch) == 1 else flat.numel() * flat.itemsize
+                self._trace_collective(entries, RequestType.ALLREDUCE, number, times, nbytes)
 
         self._finisher.add(pending, complete, [e for e in entries if e is not None])
 

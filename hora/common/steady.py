@@ -82,6 +82,8 @@ class Schedule:
     slots: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Per batch: its buffer (the engine allocates them), reused every period.
     buffers: list[Any] = field(default_factory=list)
+    # The responses the schedule was cut from (to cut them again another way).
+    period: list[Response] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for number, batch in enumerate(self.batches):
@@ -156,10 +158,12 @@ def build_schedule(
     period: list[Response],
     fusion_threshold_bytes: int,
     cuts: set[str] | frozenset[str] = frozenset(),
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> Schedule:
     """Cut a period into batches, in order, as PyTorch DDP cuts gradients into buckets.
 
-    A batch closes once it holds ``FIRST_BUCKET_BYTES`` (the first) or ``BUCKET_BYTES`` (the
+    A batch closes once it holds ``first_bucket_bytes`` (the first) or ``bucket_bytes`` (the
     others), the tensor that crosses the mark included, so that the first allreduce starts
     early in backward. Batches never exceed the fusion threshold (0: every tensor alone) and
     only hold responses that could share a fused buffer. A batch also ends before any name in
@@ -168,7 +172,7 @@ def build_schedule(
     batches: list[list[Request]] = []
     current: list[Response] = []
     size = 0
-    mark = FIRST_BUCKET_BYTES
+    mark = first_bucket_bytes
     for response in period:
         nbytes = response.num_bytes
         if current and (
@@ -182,7 +186,7 @@ def build_schedule(
         size += nbytes
         if size >= mark:
             batches.append([r.template() for r in current])
-            current, size, mark = [], 0, BUCKET_BYTES
+            current, size, mark = [], 0, bucket_bytes
     if current:
         batches.append([r.template() for r in current])
-    return Schedule(batches)
+    return Schedule(batches, period=list(period))

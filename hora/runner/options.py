@@ -11,6 +11,7 @@ timeline file) are refused by :func:`refusals`. It does not start anything.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,14 +138,32 @@ def build_parser() -> argparse.ArgumentParser:
         )
         tune.add_argument(f"--no-{name}", dest=dest, action="store_false", help=argparse.SUPPRESS)
 
-    auto = parser.add_argument_group("autotune (accepted; hora does not autotune)")
-    auto.add_argument("--autotune", dest="autotune", action="store_true", default=None)
+    auto = parser.add_argument_group("autotune (see docs/profiling.md)")
+    auto.add_argument(
+        "--autotune",
+        dest="autotune",
+        action="store_true",
+        default=None,
+        help="try batch sizes for the steady state online and keep the fastest (HORA_AUTOTUNE)",
+    )
     auto.add_argument(
         "--no-autotune", dest="autotune", action="store_false", help=argparse.SUPPRESS
     )
-    auto.add_argument("--autotune-log-file", default=None)
-    auto.add_argument("--autotune-warmup-samples", type=int, default=None)
-    auto.add_argument("--autotune-steps-per-sample", type=int, default=None)
+    auto.add_argument(
+        "--autotune-log-file", default=None, help="rank 0 logs every trial here (CSV)"
+    )
+    auto.add_argument(
+        "--autotune-warmup-samples",
+        type=int,
+        default=None,
+        help="steps after each change that are not measured (default 3)",
+    )
+    auto.add_argument(
+        "--autotune-steps-per-sample",
+        type=int,
+        default=None,
+        help="measured steps per tried setting (default 10)",
+    )
     auto.add_argument("--autotune-bayes-opt-max-samples", type=int, default=None)
     auto.add_argument("--autotune-gaussian-process-noise", type=float, default=None)
 
@@ -158,10 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--blacklist-cooldown-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX")
     )
 
-    timeline = parser.add_argument_group("timeline (not available in hora yet)")
-    timeline.add_argument("--timeline-filename", default=None)
+    timeline = parser.add_argument_group("timeline")
     timeline.add_argument(
-        "--timeline-mark-cycles", dest="timeline_mark_cycles", action="store_true", default=None
+        "--timeline-filename",
+        default=None,
+        help="write a timeline (HORA_TIMELINE): rank 0 to FILE, rank r to FILE.rank<r>, "
+        "merged into FILE at the end; see docs/profiling.md",
+    )
+    timeline.add_argument(
+        "--timeline-mark-cycles",
+        dest="timeline_mark_cycles",
+        action="store_true",
+        default=None,
+        help="mark every negotiation cycle in the timeline (HORA_TIMELINE_MARK_CYCLES)",
     )
     timeline.add_argument(
         "--no-timeline-mark-cycles",
@@ -468,13 +496,8 @@ _INERT = (
     _Inert("hierarchical_allreduce", "--hierarchical-allreduce", "hora reduces over one Gloo group; it has no hierarchical allreduce."),
     _Inert("hierarchical_allgather", "--hierarchical-allgather", "hora gathers over one Gloo group; it has no hierarchical allgather."),
     _Inert("torus_allreduce", "--torus-allreduce", "hora has no torus allreduce."),
-    _Inert("autotune", "--autotune", "hora does not autotune; the fusion threshold and cycle time stay as set."),
-    _Inert("autotune_log_file", "--autotune-log-file", "hora does not autotune, so no log is written."),
-    _Inert("autotune_warmup_samples", "--autotune-warmup-samples", "hora does not autotune."),
-    _Inert("autotune_steps_per_sample", "--autotune-steps-per-sample", "hora does not autotune."),
-    _Inert("autotune_bayes_opt_max_samples", "--autotune-bayes-opt-max-samples", "hora does not autotune."),
-    _Inert("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise", "hora does not autotune."),
-    _Inert("timeline_mark_cycles", "--timeline-mark-cycles", "hora has no timeline yet."),
+    _Inert("autotune_bayes_opt_max_samples", "--autotune-bayes-opt-max-samples", "hora's autotune tries a small fixed set of batch sizes, not Bayesian optimisation."),
+    _Inert("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise", "hora's autotune tries a small fixed set of batch sizes, not Bayesian optimisation."),
     _Inert("mpi_threads_disable", "--mpi-threads-disable", "hora does not use MPI."),
     _Inert("mpi_args", "--mpi-args", "hora does not run mpirun."),
     _Inert("binding_args", "--binding-args", "hora does not run mpirun."),
@@ -523,10 +546,6 @@ def refusals(args: argparse.Namespace) -> list[str]:
             f"{', '.join(elastic)}: elastic training is not available in hora yet; run a "
             "fixed-size job with -np N."
         )
-    if args.timeline_filename is not None:
-        found.append(
-            "--timeline-filename (or timeline.filename): hora has no timeline yet; drop the flag."
-        )
     return found
 
 
@@ -555,4 +574,14 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         env["HORA_LOG_HIDE_TIME"] = "0" if args.log_with_timestamp else "1"
     if args.tcp:
         env["NCCL_IB_DISABLE"] = "1"
+    if args.autotune is not None:
+        env["HORA_AUTOTUNE"] = "1" if args.autotune else "0"
+    if args.autotune_log_file is not None:
+        env["HORA_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+    put("HORA_AUTOTUNE_WARMUP_SAMPLES", args.autotune_warmup_samples)
+    put("HORA_AUTOTUNE_STEPS_PER_SAMPLE", args.autotune_steps_per_sample)
+    if args.timeline_filename is not None:
+        env["HORA_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.timeline_mark_cycles is not None:
+        env["HORA_TIMELINE_MARK_CYCLES"] = "1" if args.timeline_mark_cycles else "0"
     return env

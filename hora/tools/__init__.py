@@ -1,1 +1,2 @@
-"""Tools around hora jobs: environment checks (``hora doctor``), and later timeline analysis."""
+"""Tools around hora jobs: environment checks (``hora doctor``), timeline analysis
+(``hora timeline``), benchmark studies (``hora bench``)."""

@@ -25,6 +25,8 @@ from hora.common.basics import (
     rank,
     rocm_built,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from hora.common.basics import init as _init
 from hora.common.basics import register_process_set as add_process_set
@@ -145,6 +147,8 @@ __all__ = [
     "init",
     "is_homogeneous",
     "is_initialized",
+    "start_timeline",
+    "stop_timeline",
     "join",
     "local_rank",
     "local_size",

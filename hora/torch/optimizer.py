@@ -18,6 +18,7 @@ import torch
 from hora.common import basics
 from hora.common.message import ReduceOp
 from hora.common.process_sets import ProcessSet
+from hora.common.timeline import TRAINING_ROW
 from hora.torch import ops
 from hora.torch.compression import Compression
 
@@ -64,6 +65,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
+        # First and last gradient of the current backward (timeline microseconds; 0: none yet).
+        self._backward_span = (0, 0)
         self._requires_update: list[torch.Tensor] = []
         self._group_of: dict[torch.Tensor, int] = {}
         self._groups: list[list[torch.Tensor]] = []
@@ -94,6 +97,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ gradient flow
 
     def _on_gradient(self, p: torch.Tensor) -> None:
+        timeline = basics.current_timeline()
+        if timeline is not None:
+            now = timeline.now()
+            self._backward_span = (self._backward_span[0] or now, now)
         if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
         self._delay[p] -= 1
@@ -174,6 +181,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Parameters that got no gradient this step (unused in the forward pass) are reduced as
         zeros, so every rank submits the same names.
         """
+        first, last = self._backward_span
+        if first:
+            timeline = basics.current_timeline()
+            if timeline is not None:
+                timeline.complete(TRAINING_ROW, "BACKWARD", first, last)
+            self._backward_span = (0, 0)
         if not self._process_set.included() or not self._requires_update:
             self._synchronized = True
             return
@@ -231,12 +244,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
+        timeline = basics.current_timeline()
+        started = timeline.now() if timeline is not None else 0
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+        result = super(self.__class__, self).step(closure)  # type: ignore[misc]
+        if timeline is not None:
+            timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
+            # Every finished step reaches the file, even if the process is killed next.
+            timeline.flush()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(handle is not None for handle, _ in self._handles.values()):

@@ -123,11 +123,28 @@ def test_negative_numbers_on_the_command_line_are_refused() -> None:
 
 
 def test_flags_hora_cannot_honour_are_refused() -> None:
-    args = parse(["-np", "2", "--mpi", "--min-np", "1", "--timeline-filename", "t.json", *COMMAND])
+    args = parse(["-np", "2", "--mpi", "--min-np", "1", *COMMAND])
     said = "\n".join(refusals(args))
     assert "--mpi (or controller: mpi) is not available" in said
     assert "--min-np: elastic training is not available" in said
-    assert "--timeline-filename (or timeline.filename): hora has no timeline yet" in said
+
+
+def test_timeline_flags_become_variables(tmp_path: Path) -> None:
+    args = parse(["-np", "2", "--timeline-filename", "t.json", "--timeline-mark-cycles", *COMMAND])
+    assert refusals(args) == []
+    env = options.engine_env(args)
+    assert env["HORA_TIMELINE"] == str(Path("t.json").resolve())
+    assert env["HORA_TIMELINE_MARK_CYCLES"] == "1"
+    from_file = parse(
+        [
+            "-np",
+            "1",
+            "--config-file",
+            _config(tmp_path, "timeline:\n  filename: x.json\n"),
+            *COMMAND,
+        ]
+    )
+    assert options.engine_env(from_file)["HORA_TIMELINE"] == str(Path("x.json").resolve())
 
 
 def test_controller_from_config_yields_to_the_command_line(tmp_path: Path) -> None:
@@ -149,5 +166,11 @@ def test_every_horovodrun_flag_is_accepted() -> None:
     ]  # fmt: skip
     args = parse(["-np", "1", *flags, *COMMAND])
     assert refusals(args) == []
-    assert len(notes(args)) >= 12
+    assert len(notes(args)) >= 10
+    env = options.engine_env(args)
+    assert env["HORA_AUTOTUNE"] == "0"  # --no-autotune came last
+    assert env["HORA_AUTOTUNE_LOG"] == str(Path("a.csv").resolve())
+    assert env["HORA_AUTOTUNE_WARMUP_SAMPLES"] == "3"
+    assert env["HORA_AUTOTUNE_STEPS_PER_SAMPLE"] == "10"
+    assert env["HORA_TIMELINE_MARK_CYCLES"] == "1"
     assert options.build_parser().prog == "horarun"

@@ -1,0 +1,135 @@
+"""What writing a timeline costs a training step.
+
+Usage::
+
+    .venv/bin/python benchmarks/timeline_overhead.py              # np=2, the three models
+    .venv/bin/python benchmarks/timeline_overhead.py --models mlp --steps 120
+
+Relaunches itself on ``--np`` workers through horarun. For each model of the training benchmark
+(``benchmarks/training.py``) it trains one model with ``hvd.DistributedOptimizer`` and times
+blocks of steps alternately without and with a timeline (``hvd.start_timeline`` before a block,
+``hvd.stop_timeline`` after it), so that drift in the machine's load falls on both alike. A step's
+time is the slowest rank's; the table shows medians and the overhead ``with / without - 1``.
+Goal: under 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import training  # noqa: E402
+
+GOAL = 0.05
+RAW_PREFIX = "timeline-overhead-raw"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--np", type=int, default=2, help="workers (default 2)")
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(training.MODELS), default=sorted(training.MODELS)
+    )
+    parser.add_argument("--steps", type=int, default=80, help="timed steps per setting")
+    parser.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+    if min(args.np, args.steps, args.block, args.batch_size) < 1 or args.warmup < 0:
+        parser.error("--np, --steps, --block and --batch-size must be at least 1")
+    return args
+
+
+def bench_model(name: str, args: argparse.Namespace, directory: str) -> tuple[float, float, int]:
+    """Median step (s) without and with a timeline, and the timeline's size in bytes."""
+    import hora.torch as hvd
+
+    spec = training.MODELS[name]
+    torch.manual_seed(training.SEED)
+    model = spec.build()
+    optimizer = hvd.DistributedOptimizer(
+        training.sgd(model), named_parameters=model.named_parameters()
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    generator = torch.Generator().manual_seed(training.SEED + 1 + hvd.rank())
+    inputs = spec.make_inputs(args.batch_size, generator)
+    labels = torch.randint(0, training.CLASSES, (args.batch_size,), generator=generator)
+
+    def step() -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        step()
+    path = os.path.join(directory, f"{name}.json")
+    times: dict[bool, list[float]] = {False: [], True: []}
+    order = [False, True]
+    while min(len(t) for t in times.values()) < args.steps:
+        for traced in order:
+            if traced:
+                hvd.start_timeline(path)
+            block = [step() for _ in range(args.block)]
+            if traced:
+                hvd.stop_timeline()
+            times[traced] += harness.slowest_rank(block)
+        order.reverse()
+    size = os.path.getsize(path)
+    return statistics.median(times[False]), statistics.median(times[True]), size
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "HORA_RANK" not in os.environ:
+        forwarded = ["--models", *args.models, "--steps", str(args.steps)]
+        forwarded += ["--block", str(args.block), "--warmup", str(args.warmup)]
+        forwarded += ["--batch-size", str(args.batch_size)]
+        return harness.relaunch(__file__, args.np, forwarded)
+    import hora.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    harness.init_raw_group(hvd.rank(), hvd.size(), RAW_PREFIX, timeout_s=300)
+    rows = []
+    rank, size = hvd.rank(), hvd.size()
+    with tempfile.TemporaryDirectory() as directory:
+        shared = [directory]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        for name in args.models:
+            rows.append((name, *bench_model(name, args, shared[0])))
+        torch.distributed.barrier()
+        hvd.shutdown()  # merges the last timeline's files while they still exist
+    if rank == 0:
+        print(
+            f"timeline overhead, {size} ranks, batch {args.batch_size} per worker, "
+            f"medians of {args.steps} steps per setting (slowest rank)"
+        )
+        header = f"{'model':<12} {'off ms':>8} {'on ms':>8} {'overhead':>9} {'KB/s':>7}  goal      result"
+        print(header)
+        print("-" * len(header))
+        for name, off, on, size in rows:
+            overhead = on / off - 1
+            rate = size / (args.steps * on) / 1024
+            print(
+                f"{name:<12} {off * 1000:8.1f} {on * 1000:8.1f} {overhead:+9.1%} "
+                f"{rate:7.0f}  < {GOAL:.0%}     {harness.verdict(overhead < GOAL)}"
+            )
+        print("KB/s: rank 0's timeline written per second of traced training")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,621 @@
+"""Scaling studies (``hora bench scaling``): the synthetic benchmark at several world sizes, as one
+table of throughput, speedup, scaling efficiency and communication share.
+
+This module owns the study: the jobs it runs (one ``horarun`` per model and world size, each
+running :mod:`hora.tools.synthetic_benchmark`), following them with a progress bar, stopping at
+the first failure, and the command line. It reads a job's figures only from the benchmark's
+``--json`` file, and its communication time only through :mod:`hora.tools.timeline`'s summary of
+the timeline the job wrote; :mod:`hora.tools.scaling_table` turns them into the table, the CSV
+and the plot. It never imports torch, so ``hora`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from hora.tools import timeline
+from hora.tools.scaling_table import (
+    Measurement,
+    Row,
+    format_table,
+    noise_note,
+    plot,
+    scaling_rows,
+    write_csv,
+)
+
+MODELS = ("mlp", "resnet", "transformer")
+BENCHMARK_MODULE = "hora.tools.synthetic_benchmark"
+CSV_NAME = "scaling.csv"
+PLOT_NAME = "scaling.png"
+TAIL_LINES = 25
+
+
+class ScalingError(RuntimeError):
+    """The study cannot go on; the message says which job and what to do."""
+
+
+# --- the jobs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """What ``hora bench scaling`` runs and where it writes.
+
+    Attributes:
+        world_sizes: the ``np`` of each job, ascending.
+        models: the benchmark's models, in the table's order.
+        batch_size: per worker.
+        num_iters: timed iterations per job.
+        num_batches_per_iter: batches per timed iteration.
+        num_warmup_batches: batches before timing starts.
+        output_dir: where the table, the plot and each job's files go.
+        threads_per_worker: torch threads in each worker; ``None`` lets the benchmark share
+            each host's cores among its workers.
+        hosts: ``horarun -H`` (``None``: this machine).
+        hostfile: ``horarun --hostfile``.
+        timeline: record each job's timeline to measure its communication share.
+        job_timeout_s: a job running longer is stopped and the study fails.
+        progress: show a progress bar on a terminal.
+    """
+
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    models: tuple[str, ...] = ("resnet",)
+    batch_size: int = 32
+    num_iters: int = 10
+    num_batches_per_iter: int = 8
+    num_warmup_batches: int = 5
+    output_dir: Path = Path("hora-scaling")
+    threads_per_worker: int | None = None
+    hosts: str | None = None
+    hostfile: str | None = None
+    timeline: bool = True
+    job_timeout_s: float = 900.0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the benchmark: a model at a world size, and the files it writes."""
+
+    model: str
+    workers: int
+    output_dir: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-np{self.workers}"
+
+    @property
+    def result_path(self) -> Path:
+        return self.output_dir / f"{self.name}.result.json"
+
+    @property
+    def timeline_path(self) -> Path:
+        return self.output_dir / f"{self.name}.timeline.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.output_dir / f"{self.name}.log"
+
+    def command(self, settings: StudySettings) -> list[str]:
+        """``horarun`` running the benchmark, both under this Python."""
+        launcher = [sys.executable, "-m", "hora.runner.launch", "-np", str(self.workers)]
+        if settings.hostfile is not None:
+            launcher += ["--hostfile", settings.hostfile]
+        elif settings.hosts is not None:
+            launcher += ["-H", settings.hosts]
+        return [
+            *launcher,
+            sys.executable,
+            "-m",
+            BENCHMARK_MODULE,
+            *("--model", self.model, "--batch-size", str(settings.batch_size)),
+            *("--num-warmup-batches", str(settings.num_warmup_batches)),
+            *("--num-batches-per-iter", str(settings.num_batches_per_iter)),
+            *("--num-iters", str(settings.num_iters)),
+            *("--json", str(self.result_path.resolve())),
+            *(
+                ["--threads-per-worker", str(settings.threads_per_worker)]
+                if settings.threads_per_worker is not None
+                else []
+            ),
+        ]
+
+    def environment(self, settings: StudySettings) -> dict[str, str]:
+        """This environment, with the job's timeline (or none) and this hora importable."""
+        env = dict(os.environ)
+        for name in ("HORA_TIMELINE", "HOROVOD_TIMELINE"):
+            env.pop(name, None)
+        if settings.timeline:
+            env["HORA_TIMELINE"] = str(self.timeline_path.resolve())
+        # The workers import the hora that runs this study, even from a checkout that is not
+        # installed (python -m puts only the working folder on sys.path).
+        package_root = Path(__file__).resolve().parents[2]
+        if package_root.name not in ("site-packages", "dist-packages"):
+            path = [str(package_root), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+        return env
+
+    def remove_outputs(self) -> None:
+        """Delete what an earlier run of this job left, so that nothing stale is read."""
+        timeline = self.timeline_path
+        stale = [self.result_path, self.log_path, timeline]
+        stale += timeline.parent.glob(f"{timeline.stem}.rank*{timeline.suffix}")
+        for path in stale:
+            path.unlink(missing_ok=True)
+
+
+def _stop(process: subprocess.Popen[str], grace_s: float = 20.0) -> None:
+    """End ``horarun``: SIGTERM lets it stop its workers; SIGKILL if it does not in time."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def run_job(job: Job, settings: StudySettings, on_output: Callable[[str], None]) -> Measurement:
+    """Run ``job`` through ``horarun``; its output goes to ``job.log_path``.
+
+    Args:
+        job: the model and world size.
+        settings: the study's settings.
+        on_output: called with each line of the job's output as it comes (for progress only:
+            the figures come from the result file).
+
+    Returns:
+        The job's figures, without the communication share.
+
+    Raises:
+        ScalingError: the job failed, ran past the timeout, or wrote no usable result.
+    """
+    job.remove_outputs()
+    command = job.command(settings)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    timed_out = threading.Event()
+
+    def expire() -> None:
+        timed_out.set()
+        _stop(process)
+
+    with job.log_path.open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=job.environment(settings),
+            text=True,
+            bufsize=1,
+        )
+        timer = threading.Timer(settings.job_timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            for line in process.stdout or ():
+                log.write(line)
+                tail.append(line.rstrip("\n"))
+                on_output(line.rstrip("\n"))
+            code = process.wait()
+        finally:
+            timer.cancel()
+            _stop(process)  # on Ctrl-C or an error above; a no-op once the job has ended
+    if timed_out.is_set():
+        raise ScalingError(
+            _job_failure(job, f"ran past --job-timeout {settings.job_timeout_s:g} s", tail)
+            + "\nRaise --job-timeout, or use fewer --num-iters, for a longer study."
+        )
+    if code != 0:
+        raise ScalingError(_job_failure(job, f"failed (horarun exited with {code})", tail))
+    return _read_result(job, tail)
+
+
+def _job_failure(job: Job, what: str, tail: Sequence[str]) -> str:
+    shown = "\n".join(f"    {line}" for line in tail) or "    (no output)"
+    return (
+        f"hora bench scaling: the {job.model} job at np={job.workers} {what}.\n"
+        f"Last lines of its output:\n{shown}\n"
+        f"Its whole output is in {job.log_path}; the command is on that file's first line, to run "
+        "it alone."
+    )
+
+
+def _read_result(job: Job, tail: Sequence[str]) -> Measurement:
+    try:
+        result = json.loads(job.result_path.read_text())
+    except FileNotFoundError:
+        raise ScalingError(
+            _job_failure(job, f"ended without writing its result to {job.result_path}", tail)
+            + "\nRank 0 writes it: with -H or --hostfile, --output-dir must be on a file system "
+            "that rank 0's host (the first one) shares with this machine."
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ScalingError(
+            f"{job.result_path} is not valid JSON ({exc}); run the study again."
+        ) from exc
+    try:
+        return Measurement.from_result(result)
+    except (KeyError, ValueError, TypeError, ZeroDivisionError) as exc:
+        raise ScalingError(f"{job.result_path} cannot be read: {exc}.") from exc
+
+
+def communication_share(timeline_path: Path) -> tuple[float | None, str | None]:
+    """The communication share of the job whose timeline is at ``timeline_path``.
+
+    Returns:
+        ``(share, None)``, or ``(None, why it is unavailable)``.
+    """
+    if not timeline_path.exists():
+        return None, (
+            f"the job wrote no timeline at {timeline_path} (HORA_TIMELINE); with -H or "
+            "--hostfile, rank 0 writes it on the first host, which must share --output-dir with "
+            "this machine"
+        )
+    try:
+        summary = timeline.summarize(timeline.load(timeline_path))
+    except Exception as exc:  # noqa: BLE001 - the table is still worth having without it
+        return None, f"{timeline_path} cannot be summarized ({type(exc).__name__}: {exc})"
+    if summary.comm_share is None:
+        # The summarizer's warning, less what it says about its own report.
+        why = summary.warnings[-1].split("; ")[0] if summary.warnings else "no training steps"
+        return None, f"{timeline_path} gives no communication share: {why}"
+    return summary.comm_share, None
+
+
+# --- the study --------------------------------------------------------------------------------
+
+
+# Rank 0's lines (as horarun prefixes them) that show how far a job has got.
+_PHASES = {"[0]<stdout>:Running warmup...": "warmup", "[0]<stdout>:Running benchmark...": "timing"}
+_ITERATION = re.compile(r"^\[0\]<stdout>:Iter #(\d+): ([\d.]+) (\S+)/sec per worker$")
+
+
+class _Progress:
+    """The study's progress bar: one step per timed iteration of every job, on a terminal only;
+    one line per finished job in any case."""
+
+    def __init__(self, settings: StudySettings, jobs: int) -> None:
+        from tqdm import tqdm
+
+        self.iterations = settings.num_iters
+        self.jobs = jobs
+        self.done = 0  # iterations of the jobs that have finished
+        # disable=None: a bar on a terminal, nothing in a log file or a pipe.
+        self.bar: Any = tqdm(
+            total=jobs * self.iterations,
+            unit="iter",
+            disable=None if settings.progress else True,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+
+    def start(self, index: int, job: Job) -> None:
+        self.bar.set_description(f"[{index}/{self.jobs}] {job.model} np={job.workers}")
+        self.bar.set_postfix_str("starting")
+
+    def output(self, line: str) -> None:
+        """Follow the job through rank 0's output."""
+        if line in _PHASES:
+            self.bar.set_postfix_str(_PHASES[line])
+        elif match := _ITERATION.match(line):
+            self.bar.update(self.done + int(match.group(1)) + 1 - self.bar.n)
+            self.bar.set_postfix_str(f"{float(match.group(2)):.1f} {match.group(3)}/s per worker")
+
+    def finish(self, job: Job, measurement: Measurement, seconds: float) -> None:
+        self.done += self.iterations
+        self.bar.update(self.done - self.bar.n)
+        self.bar.write(
+            f"hora bench scaling: {job.model} np={job.workers}: "
+            f"{measurement.throughput_total:.1f} {measurement.unit}/s in {seconds:.0f} s",
+            file=sys.stderr,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_study(settings: StudySettings, out: TextIO | None = None) -> list[Row]:
+    """Run every job, then print the table and write ``scaling.csv`` and ``scaling.png``.
+
+    Returns:
+        The table's rows.
+
+    Raises:
+        ScalingError: a job failed; the study stops there.
+    """
+    out = out if out is not None else sys.stdout
+    settings.output_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [
+        Job(model, workers, settings.output_dir)
+        for model in settings.models
+        for workers in settings.world_sizes
+    ]
+    measurements = []
+    notes: dict[str, list[str]] = {}
+    progress = _Progress(settings, len(jobs))
+    try:
+        for index, job in enumerate(jobs, 1):
+            progress.start(index, job)
+            started = time.monotonic()
+            measurement = run_job(job, settings, progress.output)
+            share: float | None = None
+            why: str | None = "not measured (--no-timeline)"
+            if settings.timeline:
+                share, why = communication_share(job.timeline_path)
+            if why is not None:
+                notes.setdefault(why, []).append(job.name)
+            measurements.append(dataclasses.replace(measurement, communication_share=share))
+            progress.finish(job, measurement, time.monotonic() - started)
+    finally:
+        progress.close()
+    rows = scaling_rows(measurements)
+    csv_path = settings.output_dir / CSV_NAME
+    write_csv(rows, csv_path)
+    print(_caption(settings), file=out)
+    print(file=out)
+    print(format_table(rows), file=out)
+    print(file=out)
+    print(_legend(settings), file=out)
+    noise = noise_note(rows)
+    if noise is not None:
+        print(noise, file=out)
+    for why, names in notes.items():
+        print(f"comm n/a for {', '.join(names)}: {why}.", file=out)
+    print(f"Wrote {csv_path}", file=out)
+    plot_path = settings.output_dir / PLOT_NAME
+    try:
+        plot(rows, plot_path, _plot_title(settings))
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("matplotlib"):
+            raise
+        print(
+            f"No {PLOT_NAME}: matplotlib is not installed. Install it (pip install 'hora[plot]') "
+            "and run the study again for the plot.",
+            file=out,
+        )
+    else:
+        print(f"Wrote {plot_path}", file=out)
+    return rows
+
+
+def _caption(settings: StudySettings) -> str:
+    where = settings.hosts or settings.hostfile or "this machine"
+    threads = (
+        f"{settings.threads_per_worker} thread(s) per worker"
+        if settings.threads_per_worker is not None
+        else "each host's cores shared among its workers"
+    )
+    return (
+        f"hora bench scaling on {where}: synthetic benchmark, batch size {settings.batch_size} "
+        f"per worker, {settings.num_iters} iterations of {settings.num_batches_per_iter} batches "
+        f"after {settings.num_warmup_batches} warmup batches, {threads}"
+    )
+
+
+def _legend(settings: StudySettings) -> str:
+    smallest = settings.world_sizes[0]
+    comm = (
+        "comm share: communication time over training-step time on all ranks, from each "
+        "job's timeline (hora.tools.timeline; warmup steps included)."
+        if settings.timeline
+        else "comm share: not measured (--no-timeline)."
+    )
+    return (
+        f"Speedup: total throughput over np={smallest}'s. Efficiency: speedup over "
+        f"np/{smallest} (100% is linear scaling). total/s: mean ±95% interval.\n{comm}"
+    )
+
+
+def _plot_title(settings: StudySettings) -> str:
+    import platform
+
+    where = settings.hosts or settings.hostfile or platform.node()
+    threads = (
+        f", {settings.threads_per_worker} thread(s) per worker"
+        if settings.threads_per_worker is not None
+        else ""
+    )
+    return (
+        f"hora synthetic benchmark on {where}: batch {settings.batch_size} per worker, "
+        f"{settings.num_iters}x{settings.num_batches_per_iter} batches{threads}"
+    )
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``: distinct, ascending, each at least 1.
+
+    Raises:
+        argparse.ArgumentTypeError: with what is wrong and an example.
+    """
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of worker counts, such as 1,2,4"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give worker counts of at least 1, e.g. 1,2,4")
+    return tuple(sorted(set(sizes)))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def _not_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must not be negative")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
+
+
+def add_parser(studies: Any) -> argparse.ArgumentParser:
+    """Add ``scaling`` to ``hora bench``'s subcommands (``studies``, from ``add_subparsers``)."""
+    parser: argparse.ArgumentParser = studies.add_parser(
+        "scaling",
+        help="throughput, speedup and efficiency of the synthetic benchmark at several np",
+        description="Run the synthetic benchmark (hora.tools.synthetic_benchmark, as "
+        "examples/pytorch_synthetic_benchmark.py) through horarun for each model and world size, "
+        f"then print the scaling table and write {CSV_NAME} and {PLOT_NAME} to --output-dir. "
+        "Batch sizes are per worker (weak scaling). A failed job stops the study.",
+        epilog="Example: hora bench scaling --np 1,2,4 --model resnet mlp --output-dir scaling",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hora bench scaling``'s flags."""
+    defaults = StudySettings()
+    parser.add_argument(
+        "--np",
+        dest="world_sizes",
+        type=parse_world_sizes,
+        default=defaults.world_sizes,
+        metavar="N,N,...",
+        help="world sizes to run (default 1,2,4); speedup is relative to the smallest",
+    )
+    parser.add_argument(
+        "--model",
+        dest="models",
+        nargs="+",
+        choices=MODELS,
+        default=list(defaults.models),
+        help="models to run, one table section and one plotted line each (default resnet)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=defaults.batch_size,
+        metavar="N",
+        help=f"batch size per worker (default {defaults.batch_size})",
+    )
+    parser.add_argument(
+        "--num-iters",
+        type=_positive,
+        default=defaults.num_iters,
+        metavar="N",
+        help=f"timed iterations per job (default {defaults.num_iters})",
+    )
+    parser.add_argument(
+        "--num-batches-per-iter",
+        type=_positive,
+        default=defaults.num_batches_per_iter,
+        metavar="N",
+        help=f"batches per timed iteration (default {defaults.num_batches_per_iter})",
+    )
+    parser.add_argument(
+        "--warmup",
+        "--num-warmup-batches",
+        dest="num_warmup_batches",
+        type=_not_negative,
+        default=defaults.num_warmup_batches,
+        metavar="N",
+        help=f"batches before timing starts (default {defaults.num_warmup_batches})",
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=defaults.output_dir,
+        metavar="DIR",
+        help=f"where {CSV_NAME}, {PLOT_NAME} and each job's log, result and timeline go "
+        f"(default ./{defaults.output_dir})",
+    )
+    parser.add_argument(
+        "--threads-per-worker",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="torch threads in each worker; 1 makes each added worker add a core, as a GPU "
+        "would (default: each host's cores shared among its workers, so np=1 uses them all)",
+    )
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument(
+        "-H", "--hosts", default=None, help="horarun -H: hosts and slots, e.g. node1:4,node2:4"
+    )
+    hosts.add_argument("--hostfile", default=None, help="horarun --hostfile")
+    parser.add_argument(
+        "--no-timeline",
+        dest="timeline",
+        action="store_false",
+        help="do not record timelines (no communication share; no timeline overhead)",
+    )
+    parser.add_argument(
+        "--job-timeout",
+        type=_positive_seconds,
+        default=defaults.job_timeout_s,
+        metavar="SECONDS",
+        help=f"stop the study when one job runs longer (default {defaults.job_timeout_s:g})",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``hora bench scaling`` from its parsed flags; returns the exit status."""
+    settings = StudySettings(
+        world_sizes=tuple(args.world_sizes),
+        models=tuple(dict.fromkeys(args.models)),
+        batch_size=args.batch_size,
+        num_iters=args.num_iters,
+        num_batches_per_iter=args.num_batches_per_iter,
+        num_warmup_batches=args.num_warmup_batches,
+        output_dir=args.output_dir,
+        threads_per_worker=args.threads_per_worker,
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        timeline=args.timeline,
+        job_timeout_s=args.job_timeout,
+        progress=not args.no_progress,
+    )
+    try:
+        run_study(settings)
+    except ScalingError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hora bench scaling: interrupted; no table written.", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,76 @@
+"""Autotune on real processes: every rank tries the same settings, keeps the same one, and
+training gives the same parameters as without autotune."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hora.common.autotune import candidates
+
+from .jobs import run_job
+
+STEPS = 40
+
+
+def _train(steps: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.Linear(512, 4),
+    )
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters()
+    )
+    generator = torch.Generator().manual_seed(hvd.rank())
+    x, y = torch.randn(8, 64, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    engine = basics.engine()
+    tuner = engine._autotuner
+    result = {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "chosen": None if tuner is None else tuner.current,
+        "done": tuner is not None and tuner.done,
+        "trials": 0 if tuner is None else len(tuner.trials),
+        "left": engine.steady_stats["left"],
+    }
+    hvd.shutdown()
+    return result
+
+
+@pytest.mark.timeout(150)
+def test_autotune_agrees_across_ranks_and_changes_no_result(tmp_path: Path) -> None:
+    np = 3
+    log = tmp_path / "autotune.csv"
+    env = {
+        "HORA_AUTOTUNE": "1",
+        "HORA_AUTOTUNE_LOG": str(log),
+        "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+    }
+    tuned = run_job(_train, np, STEPS, env=env)
+    plain = run_job(_train, np, STEPS)
+    tried = len(candidates(128 * 1024 * 1024))
+    for result in tuned:
+        assert result["done"] and result["trials"] == tried
+        assert result["chosen"] == tuned[0]["chosen"]
+        assert result["left"] == 0  # changing the batches never leaves the steady state
+    for a, b in zip(tuned, plain):
+        torch.testing.assert_close(a["params"], b["params"], rtol=1e-5, atol=1e-6)
+    rows = log.read_text().splitlines()
+    assert len(rows) == 1 + tried + 1 and rows[-1].endswith(",chosen")
