@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +50,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def worker(model_name: str, warm_steps: int, measured: int, batch_size: int, out: str) -> None:
     """One job's training; rank 0 writes the slowest rank's step times and autotune's choice."""
     import torch
-    import torch.nn.functional as F
 
     import hora.torch as hvd
     from hora.common import basics
@@ -59,24 +57,7 @@ def worker(model_name: str, warm_steps: int, measured: int, batch_size: int, out
     torch.set_num_threads(1)
     hvd.init()
     harness.init_raw_group(hvd.rank(), hvd.size(), RAW_PREFIX, timeout_s=300)
-    spec = training.MODELS[model_name]
-    torch.manual_seed(training.SEED)
-    model = spec.build()
-    optimizer = hvd.DistributedOptimizer(
-        training.sgd(model), named_parameters=model.named_parameters()
-    )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    generator = torch.Generator().manual_seed(training.SEED + 1 + hvd.rank())
-    inputs = spec.make_inputs(batch_size, generator)
-    labels = torch.randint(0, training.CLASSES, (batch_size,), generator=generator)
-
-    def step() -> float:
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
-        return time.perf_counter() - start
-
+    step = training.hora_step(training.MODELS[model_name], batch_size)
     for _ in range(warm_steps):
         step()
     times = harness.slowest_rank([step() for _ in range(measured)])

@@ -20,11 +20,9 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,24 +53,7 @@ def bench_model(name: str, args: argparse.Namespace, directory: str) -> tuple[fl
     """Median step (s) without and with a timeline, and the timeline's size in bytes."""
     import hora.torch as hvd
 
-    spec = training.MODELS[name]
-    torch.manual_seed(training.SEED)
-    model = spec.build()
-    optimizer = hvd.DistributedOptimizer(
-        training.sgd(model), named_parameters=model.named_parameters()
-    )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    generator = torch.Generator().manual_seed(training.SEED + 1 + hvd.rank())
-    inputs = spec.make_inputs(args.batch_size, generator)
-    labels = torch.randint(0, training.CLASSES, (args.batch_size,), generator=generator)
-
-    def step() -> float:
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
-        return time.perf_counter() - start
-
+    step = training.hora_step(training.MODELS[name], args.batch_size)
     for _ in range(args.warmup):
         step()
     path = os.path.join(directory, f"{name}.json")

@@ -254,6 +254,30 @@ def make_step(
     return step
 
 
+def hora_step(spec: ModelSpec, batch_size: int) -> Callable[[], float]:
+    """A hora-trained copy of ``spec``'s model (as in the hora mode) and its timed step.
+
+    For other benchmarks of hora's training path: returns a function that runs one step and
+    returns its duration in seconds.
+    """
+    torch.manual_seed(SEED)
+    model = spec.build()
+    optimizer = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    generator = torch.Generator().manual_seed(SEED + 1 + hvd.rank())
+    inputs = spec.make_inputs(batch_size, generator)
+    labels = torch.randint(0, CLASSES, (batch_size,), generator=generator)
+
+    def step() -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    return step
+
+
 @dataclass
 class Mode:
     """A way of training one model: the step this rank runs (``None``: it sits this mode out)."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hora.tools import timeline
+from hora.tools.arguments import not_negative, positive
 from hora.tools.scaling_table import (
     Measurement,
     Row,
@@ -461,26 +462,6 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
-
-
-def _not_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must not be negative")
-    return value
-
-
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -528,21 +509,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive,
+        type=positive,
         default=defaults.batch_size,
         metavar="N",
         help=f"batch size per worker (default {defaults.batch_size})",
     )
     parser.add_argument(
         "--num-iters",
-        type=_positive,
+        type=positive,
         default=defaults.num_iters,
         metavar="N",
         help=f"timed iterations per job (default {defaults.num_iters})",
     )
     parser.add_argument(
         "--num-batches-per-iter",
-        type=_positive,
+        type=positive,
         default=defaults.num_batches_per_iter,
         metavar="N",
         help=f"batches per timed iteration (default {defaults.num_batches_per_iter})",
@@ -551,7 +532,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup",
         "--num-warmup-batches",
         dest="num_warmup_batches",
-        type=_not_negative,
+        type=not_negative,
         default=defaults.num_warmup_batches,
         metavar="N",
         help=f"batches before timing starts (default {defaults.num_warmup_batches})",
@@ -566,7 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads-per-worker",
-        type=_positive,
+        type=positive,
         default=None,
         metavar="N",
         help="torch threads in each worker; 1 makes each added worker add a core, as a GPU "

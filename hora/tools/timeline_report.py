@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from hora.tools.arguments import positive
 from hora.tools.timeline import Summary, TimelineError, load, summarize, write_merged
 
 
@@ -316,7 +317,7 @@ def add_parser(
     summary.add_argument("files", nargs="+", metavar="FILE", help=files_help)
     summary.add_argument("--json", action="store_true", help="print the summary as JSON")
     summary.add_argument(
-        "--top", type=_positive, default=10, metavar="N", help="tensors to list (default 10)"
+        "--top", type=positive, default=10, metavar="N", help="tensors to list (default 10)"
     )
     summary.set_defaults(timeline_handler=_summarize)
 
@@ -340,18 +341,8 @@ def add_parser(
     plot.add_argument("files", nargs="+", metavar="FILE", help=files_help)
     plot.add_argument("-o", "--output", required=True, metavar="OUT.png", help="PNG to write")
     plot.add_argument(
-        "--steps", type=_positive, default=3, metavar="N", help="steps to draw (default 3)"
+        "--steps", type=positive, default=3, metavar="N", help="steps to draw (default 3)"
     )
     plot.set_defaults(timeline_handler=_plot)
     timeline.set_defaults(handler=run)
     return timeline
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
