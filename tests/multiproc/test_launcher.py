@@ -283,7 +283,6 @@ def test_config_file_and_flags_reach_the_workers(tmp_path: Path) -> None:
     [
         (["--mpi"], "--mpi (or controller: mpi) is not available"),
         (["--min-np", "1"], "elastic training is not available in hora yet"),
-        (["--timeline-filename", "t.json"], "hora has no timeline yet"),
         (["--fusion-threshold-mb", "-4"], "fusion_threshold_mb=-4 must be >= 0"),
         (["--hostfile", "/nonexistent/hosts"], "cannot read hostfile"),
         (["--config-file", "/nonexistent/horovod.yaml"], "cannot read config file"),
