@@ -228,26 +228,22 @@ def _finish_timeline(engine: Engine, store: StoreClient | None) -> None:
                 store.wait(key + str(r), TIMELINE_MERGE_WAIT_S) for r in range(1, engine.size)
             ]
             if not all(closed):
-                logger.warning(
-                    "not every rank closed its timeline file within %.0f s; the files next to "
-                    "%s were left as they are (hora timeline summarize reads them together).",
-                    TIMELINE_MERGE_WAIT_S,
-                    path,
-                )
+                why = f"not every rank closed its file within {TIMELINE_MERGE_WAIT_S:.0f} s"
+                _timeline_left_unmerged(path, why)
                 return
         if not merge(path, range(engine.size)):
-            logger.warning(
-                "the timeline's rank files next to %s were not all found; they were left as "
-                "they are (hora timeline summarize reads them together).",
-                path,
-            )
+            _timeline_left_unmerged(path, "some rank's file was not found")
     except Exception as exc:  # noqa: BLE001 - never fail a shutdown over the timeline
-        logger.warning(
-            "could not merge the timeline's rank files into %s (%s); they were left as they "
-            "are (hora timeline summarize reads them together).",
-            path,
-            exc,
-        )
+        _timeline_left_unmerged(path, f"merging failed: {exc}")
+
+
+def _timeline_left_unmerged(path: str, why: str) -> None:
+    logger.warning(
+        "the timeline's rank files next to %s were left as they are (%s); "
+        "hora timeline summarize reads them together.",
+        path,
+        why,
+    )
 
 
 def shutdown(reason: str | None = None) -> None:

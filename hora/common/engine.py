@@ -249,7 +249,6 @@ class Engine:
         self._period_started = 0.0
         self._batch_number = 0
         self._agreed_at = 0
-        self._steady_aborts = 0
         self._blocked: dict[Handle, float] = {}
         self._control = self._connect("control", 0, self.rank, self.size)
         self._communicators[0] = self._connect("ps0", 0, self.rank, self.size)
@@ -356,37 +355,32 @@ class Engine:
                 submitted = timeline.now()
                 for entry in entries:
                     entry.submitted = submitted
-            if self._schedule is not None:
-                self._stage(self._schedule, entries)
             self._queue.extend(entries)
-            if self._schedule is None or self._completes_batch(entries):
+            if self._schedule is None or self._admit(self._schedule, entries):
                 self._wakeup.notify_all()
 
-    def _stage(self, schedule: steady.Schedule, entries: list[Entry]) -> None:
-        """Copy expected tensors into their batch's buffer now, on the submitting thread.
+    def _admit(self, schedule: steady.Schedule, entries: list[Entry]) -> bool:
+        """In the steady state: stage new entries; return whether the engine thread must wake.
 
-        As DDP fills its buckets from autograd hooks, this overlaps the copy with the rest of
-        backward instead of adding it to the critical path after the last gradient.
+        An expected tensor is copied into its batch's buffer now, on the submitting thread: as
+        DDP fills its buckets from autograd hooks, this overlaps the copy with the rest of
+        backward instead of adding it to the critical path after the last gradient. The engine
+        wakes for an unexpected entry (a deviation) or the one that completes its batch.
         """
-        for entry in entries:
-            if entry.tensor is None or not schedule.expects(entry.request):
-                continue
-            number, offset = schedule.slots[entry.request.name]
-            buffer = schedule.buffers[number]
-            with torch.no_grad():
-                buffer[offset : offset + entry.request.num_elements].copy_(entry.tensor.reshape(-1))
-            entry.staged = schedule
-
-    def _completes_batch(self, entries: list[Entry]) -> bool:
-        """In the steady state: whether these entries need the engine thread now."""
-        schedule = self._schedule
-        assert schedule is not None
         wake = False
         for entry in entries:
-            if not schedule.expects(entry.request):
+            request = entry.request
+            if not schedule.expects(request):
                 wake = True
-            elif entry.request.name in self._awaiting:
-                self._awaiting.discard(entry.request.name)
+                continue
+            if entry.tensor is not None:
+                number, offset = schedule.slots[request.name]
+                piece = schedule.buffers[number][offset : offset + request.num_elements]
+                with torch.no_grad():
+                    piece.copy_(entry.tensor.reshape(-1))
+                entry.staged = schedule
+            if request.name in self._awaiting:
+                self._awaiting.discard(request.name)
                 wake = wake or not self._awaiting
         return wake
 
@@ -741,11 +735,11 @@ class Engine:
             self._held.clear()
             self._schedule = None
         self._history.clear()
-        self._steady_aborts += 1
         self.steady_stats["left"] += 1
         if self.timeline is not None:
             self.timeline.instant(ENGINE_ROW, "STEADY_STATE_LEAVE")
-        self._history.repeats = min(2 + self._steady_aborts, 10)
+        # One more period for every deviation so far before the schedule comes back (at most 10).
+        self._history.repeats = min(2 + self.steady_stats["left"], 10)
         self._last_cycle_end = 0.0
         logger.debug(
             "rank %d: leaving the steady state (ranks' codes %s; here: %s)",
@@ -838,7 +832,7 @@ class Engine:
             if head.kind == RequestType.JOIN:
                 entry = self._take(head.names[0])
                 if entry is not None:
-                    self._finish_entry(entry, head.last_joined_rank)
+                    _finish(entry, head.last_joined_rank)
                 continue
             members = self.process_sets.members(head.process_set_id)
             if self.rank not in members:
@@ -846,7 +840,7 @@ class Engine:
             if head.kind == RequestType.BARRIER:
                 entry = self._take(head.names[0])
                 if entry is not None:
-                    self._finish_entry(entry, None)
+                    _finish(entry, None)
                 continue
             comm = self._communicators[head.process_set_id]
             if head.kind == RequestType.ALLREDUCE:
@@ -921,11 +915,6 @@ class Engine:
         with self._wakeup:
             return self._in_flight.pop(name, None)
 
-    def _finish_entry(self, entry: Entry, result: Any) -> None:
-        if entry.on_done is not None:
-            result = entry.on_done(result)
-        entry.handle._set(entry.index, result)
-
     def _fail_name(self, name: str, message: str) -> None:
         entry = self._take(name)
         if entry is not None:
@@ -979,7 +968,7 @@ class Engine:
             _copy_out(entries, flat, [t.numel() for t in inputs])
             if timeline is not None:
                 times = (started, issued, done, timeline.now())
-                nbytes = batch[0].num_bytes if len(batch) == 1 else flat.numel() * flat.itemsize
+                nbytes = flat.numel() * flat.itemsize
                 self._trace_collective(entries, RequestType.ALLREDUCE, number, times, nbytes)
 
         self._finisher.add(pending, complete, [e for e in entries if e is not None])
@@ -1005,7 +994,7 @@ class Engine:
             gathered = [torch.empty(longest, dtype=torch.uint8) for _ in members]
             comm.allgather(gathered, padded)
             torch._foreach_copy_(chunks, [g[: c.numel()] for g, c in zip(gathered, chunks)])
-        self._finish_entry(entry, output.to(tensor.device))
+        _finish(entry, output.to(tensor.device))
 
     def _broadcast(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
         entry = self._take(response.names[0])
@@ -1018,7 +1007,7 @@ class Engine:
         comm.broadcast(_as_bytes(host), members.index(response.template().root_rank))
         if host is not output:
             output.copy_(host)
-        self._finish_entry(entry, output)
+        _finish(entry, output)
 
     def _alltoall(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
         entry = self._take(response.names[0])
@@ -1047,7 +1036,7 @@ class Engine:
             [n * row_bytes for n in send],
         )
         received = torch.tensor(receive, dtype=torch.int32)
-        self._finish_entry(entry, (output.to(tensor.device), received))
+        _finish(entry, (output.to(tensor.device), received))
 
     def _reducescatter(
         self, response: Response, comm: Communicator, members: tuple[int, ...]
@@ -1075,7 +1064,7 @@ class Engine:
         postscale = request.postscale / (count if request.reduce_op == ReduceOp.AVERAGE else 1)
         output = _scale(output, postscale)
         result = output.reshape((rows[me], *rest)).to(device=tensor.device, dtype=tensor.dtype)
-        self._finish_entry(entry, result)
+        _finish(entry, result)
 
     def _change_process_set(self, response: Response) -> None:
         template = response.template()
@@ -1091,7 +1080,7 @@ class Engine:
                 removed.close()
         entry = self._take(template.name)
         if entry is not None:
-            self._finish_entry(entry, set_id)
+            _finish(entry, set_id)
 
     def _register_process_set(self, set_id: int, ranks: tuple[int, ...]) -> None:
         self.process_sets.add(set_id, ranks)
@@ -1170,7 +1159,7 @@ def _copy_out(entries: Sequence[Entry | None], flat: torch.Tensor, sizes: list[i
         torch._foreach_copy_([d for d, _ in pairs], [p for _, p in pairs])
     for entry in entries:
         if entry is not None:
-            entry.handle._set(entry.index, _finish_value(entry))
+            _finish(entry, _destination(entry))
 
 
 def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], factor: float) -> None:
@@ -1187,12 +1176,14 @@ def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], facto
         else:
             dest.copy_(piece.mul(factor).view(dest.shape))
     for entry in entries:
-        entry.handle._set(entry.index, _finish_value(entry))
+        _finish(entry, _destination(entry))
 
 
-def _finish_value(entry: Entry) -> Any:
-    result = _destination(entry)
-    return entry.on_done(result) if entry.on_done is not None else result
+def _finish(entry: Entry, result: Any) -> None:
+    """Deliver one entry's result (through its ``on_done``) to its handle."""
+    if entry.on_done is not None:
+        result = entry.on_done(result)
+    entry.handle._set(entry.index, result)
 
 
 def _ranks(ranks: list[int]) -> str:
