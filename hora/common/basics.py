@@ -19,7 +19,7 @@ from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
 from hora.common.process_sets import ProcessSet
 from hora.common.rendezvous import StoreClient
-from hora.common.timeline import Timeline, merge
+from hora.common.timeline import Timeline, merge, rank_path
 from hora.common.topology import Topology, detect
 from hora.common.transport import Communicator
 
@@ -133,12 +133,12 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             generation=_state.generation,
             process_sets=member_lists,
         )
-        _state.generation += 1
-        engine.start()
-        _state.engine = engine
         path = lookup("TIMELINE")
         if path:
             _open_timeline(engine, path, flag("TIMELINE_MARK_CYCLES"))
+        _state.generation += 1
+        engine.start()
+        _state.engine = engine
         _state.topology = topology
         _state.store = store
         global_process_set.ranks = list(range(topology.size))
@@ -178,8 +178,21 @@ def _shutdown_at_exit() -> None:
 
 
 def _open_timeline(engine: Engine, path: str, mark_cycles: bool) -> None:
+    """Start writing ``path``'s file for this rank (closing any timeline before it).
+
+    Raises:
+        ValueError: the file cannot be created; the message names the rank and the file.
+    """
     previous = engine.timeline
-    engine.timeline = Timeline(path, engine.rank, mark_cycles)
+    try:
+        engine.timeline = Timeline(path, engine.rank, mark_cycles)
+    except OSError as exc:
+        raise ValueError(
+            f"rank {engine.rank}: cannot write the timeline file "
+            f"{rank_path(path, engine.rank)} ({exc.strerror or exc}). Point HORA_TIMELINE "
+            "(or hvd.start_timeline, or horarun --timeline-filename) at a directory this "
+            "rank can write to."
+        ) from exc
     if previous is not None:
         previous.close()
     _state.timeline_path = path

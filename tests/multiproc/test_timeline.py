@@ -126,3 +126,22 @@ def test_the_files_of_a_job_that_lost_a_rank_stay_readable(tmp_path: Path) -> No
     assert any(e["name"] == "OPTIMIZER_STEP" for e in survivor)
     assert sum(e["name"] == "OPTIMIZER_STEP" for e in lost) == 3
     assert os.path.getsize(files[1]) > 0
+
+
+def _init_only() -> int:
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.shutdown()
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_timeline_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    path = blocker / "timeline.json"
+    error = run_failing_job(_init_only, 2, env={"HORA_TIMELINE": str(path)})
+    text = str(error) + " ".join(str(e) for e in error.errors.values())
+    assert "cannot write the timeline file" in text and "HORA_TIMELINE" in text, text
+    assert "rank 0" in text or "rank 1" in text
