@@ -72,6 +72,25 @@ DIAGNOSE_WINDOW_S = 2.0
 _wait_hook: Callable[[Handle, bool], None] | None = None
 
 
+@dataclass(eq=False)
+class _Flight:
+    """A steady-state batch whose allreduce was started (see ``Engine._steady_cycle``)."""
+
+    schedule: steady.Schedule
+    position: int
+    entries: list[Entry | None]
+    buffer: torch.Tensor
+    sizes: list[int]
+    code: int
+    deviation: str | None
+    number: int = 0
+    started: int = 0
+    issued: int = 0
+    pending: Pending | None = None
+    # Set by the transport's completion callback, under the engine's lock.
+    done: bool = False
+
+
 class Handle:
     """The pending result of one collective call (several tensors for a grouped call)."""
 
@@ -228,6 +247,8 @@ class Engine:
         self._fail_lock = threading.Lock()
         self._history = steady.History()
         self._schedule: steady.Schedule | None = None
+        # The steady-state batch whose allreduce runs while the next one fills.
+        self._flight: _Flight | None = None
         self._held: dict[str, Entry] = {}
         self._awaiting: set[str] = set()
         self._cuts: set[str] = set()
@@ -373,8 +394,8 @@ class Engine:
             if not schedule.expects(request):
                 wake = True
                 continue
-            if entry.tensor is not None:
-                number, offset = schedule.slots[request.name]
+            number, offset = schedule.slots[request.name]
+            if entry.tensor is not None and number not in schedule.in_flight:
                 piece = schedule.buffers[number][offset : offset + request.num_elements]
                 with torch.no_grad():
                     piece.copy_(entry.tensor.reshape(-1))
@@ -593,78 +614,177 @@ class Engine:
         self._period_started = 0.0
 
     def _steady_cycle(self) -> bool:
-        """Run the schedule's next batch, or leave the steady state on a deviation."""
+        """Start the schedule's next batch, land the one in flight, or leave on a deviation.
+
+        Two batches may be in flight, as DDP queues its buckets: batch k starts as soon as its
+        tensors are there, before batch k-1's result (and its codes) came back. Every rank
+        starts the same batches in the same order; waiting for them is local. A batch is
+        *landed* (its codes read, its results delivered) before the one after next starts.
+        """
         schedule = self._schedule
         assert schedule is not None
-        batch = schedule.current
-        code, deviation = self._collect_batch(schedule)
+        flight = self._flight
+        # A rank that deviated starts nothing more: it lands that batch and leaves (the
+        # deviating entry is among those it holds).
+        if flight is not None and (
+            flight.code != steady.FOLLOWING or not self._may_overlap(schedule)
+        ):
+            self._flight = None
+            self._land(flight, None)
+            return True
+        collected = self._collect_batch(schedule, flight)
+        if collected is None:
+            # The batch in flight came back before the next one filled: deliver it first.
+            assert flight is not None
+            self._flight = None
+            self._land(flight, None)
+            return True
+        following = self._start_batch(schedule, *collected)
+        self._flight = following
+        if flight is not None:
+            self._land(flight, following)
+        return True
+
+    def _may_overlap(self, schedule: steady.Schedule) -> bool:
+        """Whether the next batch may start before the one in flight has landed.
+
+        The same answer on every rank (it depends on agreed state only): one batch per period
+        would reuse the buffer in flight, and autotune scores and rebuilds the schedule between
+        periods, with nothing in flight.
+        """
+        if len(schedule.batches) < 2:
+            return False
+        tuner = self._autotuner
+        return schedule.position != 0 or tuner is None or tuner.done
+
+    def _start_batch(self, schedule: steady.Schedule, code: int, deviation: str | None) -> _Flight:
+        """Fill the current batch's buffer (or zeros and this rank's code) and start it."""
         timeline = self.timeline
         started = timeline.now() if timeline is not None else 0
         self._batch_number += 1
+        position = schedule.position
+        batch = schedule.current
         entries = [] if code != steady.FOLLOWING else [self._take(r.name) for r in batch]
-        head = batch[0]
         sizes = [r.num_elements for r in batch]
         total = sum(sizes)
         # One buffer per batch, reused every period (no allocation, no page faults per step);
         # after the data, one slot per rank for its code (see hora.common.steady).
-        buffer = schedule.buffers[schedule.position]
+        buffer = schedule.buffers[position]
         data, codes = buffer[:total], buffer[total:]
         if code == steady.FOLLOWING:
             for entry, piece in zip(entries, data.split(sizes)):
                 if entry is not None and entry.tensor is not None and entry.staged is not schedule:
                     piece.copy_(entry.tensor.reshape(-1))
-            scaled = _scale(data, head.prescale)
+            scaled = _scale(data, batch[0].prescale)
             if scaled is not data:
                 data.copy_(scaled)
         else:
             data.zero_()
         codes.zero_()
         codes[self.rank] = code
-        issued = timeline.now() if timeline is not None else 0
+        flight = _Flight(schedule, position, entries, buffer, sizes, code, deviation)
+        flight.number, flight.started = self._batch_number, started
+        with self._wakeup:
+            # From here the buffer is the transport's: tensors submitted meanwhile for this
+            # batch (the next period's) are copied when it starts again.
+            schedule.in_flight.add(position)
+            schedule.advance()
+        flight.issued = timeline.now() if timeline is not None else 0
         try:
-            self._communicators[0].allreduce_async(buffer, ReduceOp.SUM).wait()
+            flight.pending = self._communicators[0].allreduce_async(buffer, ReduceOp.SUM)
         except TransportError:
-            # The job is failing: hand the batch's entries back so that their handles fail
-            # with the diagnosis instead of waiting forever.
-            with self._wakeup:
-                for entry in entries:
-                    if entry is not None:
-                        self._in_flight[entry.request.name] = entry
+            self._hand_back(entries)
             raise
+        flight.pending.on_done(lambda: self._landed(flight))
+        return flight
+
+    def _landed(self, flight: _Flight) -> None:
+        """Called by the transport when a batch's allreduce is done: wake the engine."""
+        with self._wakeup:
+            flight.done = True
+            self._wakeup.notify_all()
+
+    def _hand_back(self, entries: Sequence[Entry | None]) -> None:
+        """The job is failing: make entries visible again so that their handles fail with the
+        diagnosis instead of waiting forever."""
+        with self._wakeup:
+            for entry in entries:
+                if entry is not None:
+                    self._in_flight[entry.request.name] = entry
+
+    def _land(self, flight: _Flight, following: _Flight | None) -> None:
+        """Wait for ``flight``; deliver its results or, if some rank deviated, leave."""
+        schedule = flight.schedule
+        assert flight.pending is not None
+        try:
+            flight.pending.wait()
+        except TransportError:
+            self._hand_back(flight.entries + (following.entries if following else []))
+            raise
+        timeline = self.timeline
         done = timeline.now() if timeline is not None else 0
+        with self._wakeup:
+            schedule.in_flight.discard(flight.position)
+        buffer, sizes = flight.buffer, flight.sizes
+        total = sum(sizes)
+        codes = buffer[total:]
         if bool(codes.any()):
-            self._leave_steady_state(deviation, entries, [int(c) for c in codes.tolist()])
-            return True
-        schedule.advance()
+            self._abort_following(schedule, following)
+            entries = flight.entries + (following.entries if following else [])
+            deviation = flight.deviation or (following.deviation if following else None)
+            batch = schedule.batches[flight.position]
+            self._leave_steady_state(deviation, entries, batch, [int(c) for c in codes.tolist()])
+            return
         self.steady_stats["batches"] += 1
+        head = schedule.batches[flight.position][0]
         postscale = head.postscale
         if head.reduce_op == ReduceOp.AVERAGE:
             postscale /= self.size
-        # Completed here rather than on the finisher: the next batch cannot start before this
-        # one is done anyway, and a hand-off between threads costs more than the copy.
-        finished = [e for e in entries if e is not None]
+        # Completed here rather than on the finisher: a hand-off between threads costs more
+        # than the copy, and the next batch (if ready) is already running.
+        data = buffer[:total]
+        finished = [e for e in flight.entries if e is not None]
         _scale_out(finished, data, sizes, postscale)
         if timeline is not None:
             args = '{"op":"ALLREDUCE"}'
             for entry in finished:
                 if entry.submitted:
                     row = timeline.row(entry.request.name)
-                    timeline.complete(row, "WAIT_FOR_BATCH", entry.submitted, started, args)
-            times = (started, issued, done, timeline.now())
+                    timeline.complete(row, "WAIT_FOR_BATCH", entry.submitted, flight.started, args)
+            times = (flight.started, flight.issued, done, timeline.now())
             nbytes = total * buffer.itemsize
-            self._trace_collective(
-                finished, RequestType.ALLREDUCE, self._batch_number, times, nbytes
-            )
-        if schedule.position == 0:
+            self._trace_collective(finished, RequestType.ALLREDUCE, flight.number, times, nbytes)
+        if flight.position == len(schedule.batches) - 1:
             self._period_finished(schedule)
         self._last_cycle_end = time.monotonic()
-        return True
 
-    def _collect_batch(self, schedule: steady.Schedule) -> tuple[int, str | None]:
+    def _abort_following(self, schedule: steady.Schedule, following: _Flight | None) -> None:
+        """A landed batch deviated: finish the batch after it, so every rank ran the same ones.
+
+        Where overlap was allowed, some ranks may have started the next batch before they saw
+        the deviation; the others start it now, empty. Its result is discarded everywhere.
+        """
+        if following is not None:
+            assert following.pending is not None
+            try:
+                following.pending.wait()
+            except TransportError:
+                self._hand_back(following.entries)
+                raise
+            with self._wakeup:
+                schedule.in_flight.discard(following.position)
+        elif self._may_overlap(schedule):
+            empty = torch.zeros_like(schedule.buffers[schedule.position])
+            self._communicators[0].allreduce_async(empty, ReduceOp.SUM).wait()
+
+    def _collect_batch(
+        self, schedule: steady.Schedule, flight: _Flight | None
+    ) -> tuple[int, str | None] | None:
         """Wait until this rank holds every entry of the current batch, or say why it can't.
 
         Returns:
-            (this rank's code for the batch, what deviated when it is not FOLLOWING).
+            (this rank's code for the batch, what deviated when it is not FOLLOWING), or None
+            when the batch in ``flight`` came back first.
         """
         needed = [r.name for r in schedule.current]
         stall_after = self.settings.stall_check_time_s if self.settings.stall_check_enabled else 0
@@ -687,6 +807,8 @@ class Engine:
                     for name in needed:
                         del self._held[name]
                     return steady.FOLLOWING, None
+                if flight is not None and flight.done:
+                    return None
                 now = time.monotonic()
                 timeout = WATCH_INTERVAL_S
                 # A user blocked on a result this rank has not run yet: the batch may never
@@ -718,15 +840,18 @@ class Engine:
                 self._wakeup.wait(timeout=timeout)
 
     def _leave_steady_state(
-        self, deviation: str | None, entries: list[Entry | None], codes: list[int]
+        self,
+        deviation: str | None,
+        entries: list[Entry | None],
+        batch: list[Request],
+        codes: list[int],
     ) -> None:
         """Some rank deviated (every rank sees the same codes): put entries back, negotiate.
 
         A rank that was blocked names where its batch must be cut next time; every rank learns
         the same cut, so the next schedule does not make a user wait on its own later tensors.
         """
-        assert self._schedule is not None
-        self._cuts |= steady.cuts_from(self._schedule.current, codes)
+        self._cuts |= steady.cuts_from(batch, codes)
         with self._wakeup:
             held = [e for e in entries if e is not None] + list(self._held.values())
             for entry in held:
@@ -734,6 +859,7 @@ class Engine:
             self._queue.extendleft(reversed(held))
             self._held.clear()
             self._schedule = None
+            self._flight = None
         self._history.clear()
         self.steady_stats["left"] += 1
         if self.timeline is not None:

@@ -84,6 +84,8 @@ class Schedule:
     buffers: list[Any] = field(default_factory=list)
     # The responses the schedule was cut from (to cut them again another way).
     period: list[Response] = field(default_factory=list)
+    # Batches whose buffer the transport holds now (the engine's lock guards it).
+    in_flight: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         for number, batch in enumerate(self.batches):

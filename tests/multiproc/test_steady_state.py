@@ -50,9 +50,12 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
         order = list(range(len(SIZES)))
         if variant == "reversed" and step % 3 == 1 and rank == 0:
             order.reverse()
-        extra_first = variant == "extra_op" and step == 6 and rank == 0
-        extra_last = variant == "extra_op" and step == 6 and rank != 0
+        extra = variant.startswith("extra_op") and step == 6
+        extra_first, extra_last = extra and rank == 0, extra and rank != 0
+        # Rank 1 waits for the first batch's results before it submits the rest.
+        wait_between = variant == "extra_op_wait" and rank == 1
         handles = []
+        early: dict[Any, Any] = {}
         if extra_first:
             handles.append(("x", hvd.allreduce_async(torch.ones(3), name="extra", op=hvd.Sum)))
         for i in order:
@@ -61,11 +64,13 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
                 numel += 1
             tensor = grad(i, step, rank, numel)
             handles.append((i, hvd.allreduce_async_(tensor, name=f"grad.{i}")))
+            if wait_between and i == 1:
+                early = {h: hvd.synchronize(h) for _, h in handles}
         if extra_last:
             handles.append(("x", hvd.allreduce_async(torch.ones(3), name="extra", op=hvd.Sum)))
         for i, handle in handles:
             try:
-                out = hvd.synchronize(handle)
+                out = early[handle] if handle in early else hvd.synchronize(handle)
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 results.setdefault("errors", []).append(f"step {step}: {exc}")
                 continue
@@ -108,6 +113,19 @@ def test_the_steady_state_can_be_turned_off() -> None:
 def test_an_op_outside_the_pattern_falls_back_and_the_pattern_resumes(np: int) -> None:
     # At step 6 rank 0 submits an extra allreduce before its gradients, the others after.
     for result in run_job(_steady_worker, np, "extra_op", STEPS + 4):
+        assert "errors" not in result, result
+        assert result["worst"] == 0.0
+        stats = result["stats"]
+        assert stats["left"] == 1 and stats["entered"] == 2, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_deviation_seen_while_some_ranks_run_the_next_batch(np: int) -> None:
+    # Rank 0 deviates in the first batch; it can start the second batch before it sees that,
+    # while rank 1 cannot (it waits for the first batch's results before it submits the
+    # rest). Every rank must run the second batch once anyway, then negotiate together.
+    for result in run_job(_steady_worker, np, "extra_op_wait", STEPS + 4):
         assert "errors" not in result, result
         assert result["worst"] == 0.0
         stats = result["stats"]

@@ -6,7 +6,7 @@ The engine talks only to :class:`Communicator`. Implementations wrap a real libr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hora.common.message import ReduceOp
@@ -21,6 +21,9 @@ class Pending(Protocol):
 
     def wait(self) -> None:
         """Block until it is done; raise :class:`TransportError` if it failed."""
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on any thread, or at once) when it is done or has failed."""
 
 
 class Communicator(Protocol):

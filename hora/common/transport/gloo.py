@@ -7,7 +7,7 @@ This module knows about process groups and buffers, never about requests or name
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +54,9 @@ class _GlooPending:
             self._work.wait()
         except RuntimeError as exc:
             raise TransportError(str(exc)) from exc
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        self._work.get_future().add_done_callback(lambda _future: callback())
 
 
 class GlooCommunicator:
