@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from hora.common import joining
+from hora.common import elastic, joining
 from hora.common.config import Settings, flag, lookup, start_timeout_s
 from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
@@ -36,6 +36,8 @@ class _State:
         self.topology: Topology | None = None
         self.store: StoreClient | None = None
         self.generation = 0
+        # The generation the running engine was started with (its store scopes' number).
+        self.engine_generation = 0
         self.process_sets: dict[int, ProcessSet] = {}
         self.atexit_registered = False
         self.exit_cause: str | None = None
@@ -46,12 +48,22 @@ class _State:
 _state = _State()
 
 
-def _configure_logging(level: str, rank: int) -> None:
+class _RankFilter(logging.Filter):
+    """Puts this process's current rank into log records (it changes in elastic jobs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        topology = _state.topology
+        record.hora_rank = topology.rank if topology is not None else "?"
+        return True
+
+
+def _configure_logging(level: str) -> None:
     if getattr(_configure_logging, "done", False):
         return
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_RankFilter())
     hide_time = flag("LOG_HIDE_TIME")
-    fmt = "[%(levelname)s hora rank " + str(rank) + "] %(message)s"
+    fmt = "[%(levelname)s hora rank %(hora_rank)s] %(message)s"
     if not hide_time:
         fmt = "[%(asctime)s " + fmt[1:]
     handler.setFormatter(logging.Formatter(fmt))
@@ -104,11 +116,21 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         settings = Settings.from_env()
         if dynamic:
             settings = _replace(settings, dynamic_process_sets=True)
-        topology = detect()
-        _configure_logging(settings.log_level, topology.rank)
-        # Under horarun the store is the launcher's; under other launchers rank 0 (or the
-        # launcher) hosts it and local/cross ranks may still need an exchange.
-        topology, store = joining.join(topology, start_timeout_s(), _state.generation)
+        if elastic.active():
+            # An elastic horarun: the driver assigns ranks round by round, and each round
+            # keeps its keys under its own prefix, so every round's scopes start at 0.
+            _configure_logging(settings.log_level)
+            topology, store = elastic.join()
+            generation = 0
+        else:
+            topology = detect()
+            _configure_logging(settings.log_level)
+            # Under horarun the store is the launcher's; under other launchers rank 0 (or the
+            # launcher) hosts it and local/cross ranks may still need an exchange.
+            generation = _state.generation
+            topology, store = joining.join(topology, start_timeout_s(), generation)
+        # From here log lines name this rank (in an elastic job it changes from round to round).
+        _state.topology = topology
         member_lists: list[tuple[int, ...]] = []
         for process_set in sets:
             if not isinstance(process_set, ProcessSet):
@@ -130,13 +152,14 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             settings,
             store,
             _communicator_factory(topology, settings, store),
-            generation=_state.generation,
+            generation=generation,
             process_sets=member_lists,
         )
         path = lookup("TIMELINE")
         if path:
             _open_timeline(engine, path, flag("TIMELINE_MARK_CYCLES"))
         _state.generation += 1
+        _state.engine_generation = generation
         engine.start()
         _state.engine = engine
         _state.topology = topology
@@ -231,7 +254,7 @@ def _finish_timeline(engine: Engine, store: StoreClient | None) -> None:
     path, _state.timeline_path = _state.timeline_path, None
     if path is None or engine.failure is not None:
         return
-    key = f"g{_state.generation - 1}/timeline-closed/"
+    key = f"g{_state.engine_generation}/timeline-closed/"
     try:
         if engine.size > 1 and store is not None:
             if engine.rank != 0:
@@ -270,7 +293,7 @@ def shutdown(reason: str | None = None) -> None:
         launched_elsewhere = _state.topology is not None and _state.topology.launch is not None
         if _state.store is not None and launched_elsewhere and engine.size > 1:
             # A rank may host the store (srun, mpirun): it waits at exit for this.
-            joining.detach(_state.store, engine.rank, _state.generation - 1)
+            joining.detach(_state.store, engine.rank, _state.engine_generation)
         _state.engine = None
         for process_set in _state.process_sets.values():
             if process_set is not global_process_set:

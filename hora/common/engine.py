@@ -109,6 +109,12 @@ class Handle:
         if count == 0:
             self._event.set()
 
+    @classmethod
+    def restart_numbering(cls) -> None:
+        """Number handles from 1 again (at ``init``: unnamed ops are named after the number,
+        and every rank of a new job, or of an elastic job's new round, must count alike)."""
+        cls._ids = itertools.count(1)
+
     def done(self) -> bool:
         return self._event.is_set()
 

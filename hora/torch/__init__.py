@@ -32,10 +32,13 @@ from hora.common.basics import init as _init
 from hora.common.basics import register_process_set as add_process_set
 from hora.common.basics import shutdown as _shutdown
 from hora.common.basics import unregister_process_set as remove_process_set
+from hora.common.engine import Handle as _Handle
 from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 from hora.common.process_sets import ProcessSet
+from hora.torch import elastic
 from hora.torch.compression import Compression
 from hora.torch.functions import (
+    _restart_default_names,
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
@@ -85,6 +88,10 @@ from hora.torch.sync_batch_norm import SyncBatchNorm
 def init(comm=None, process_sets=None):  # noqa: ANN001, ANN201 - Horovod's signature
     """Start hora in this process. See :func:`hora.common.basics.init`."""
     _clear_handles()
+    # Unnamed collectives are named by counting calls; every process of the (re)started job,
+    # old workers and new ones after an elastic reset alike, counts from the start.
+    _Handle.restart_numbering()
+    _restart_default_names()
     _init(comm=comm, process_sets=process_sets)
 
 
@@ -133,6 +140,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "gloo_built",
     "gloo_enabled",
     "global_process_set",

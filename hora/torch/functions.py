@@ -26,6 +26,12 @@ def _secret() -> str:
 _calls = itertools.count()
 
 
+def _restart_default_names() -> None:
+    """Count calls from 0 again (at ``init``, like :meth:`Handle.restart_numbering`)."""
+    global _calls
+    _calls = itertools.count()
+
+
 def _default_name(kind: str) -> str:
     # Horovod names the tensors after type(obj), so a root passing a dict and other ranks
     # passing None never match and the job stalls. A per-process call counter matches as long

@@ -1,0 +1,334 @@
+"""Elastic jobs: how ``horarun``'s elastic driver and its workers agree on who trains.
+
+An elastic job runs in numbered *rounds*. A round is one fixed set of workers with fixed ranks;
+every membership change (a worker lost, hosts added or removed, a collective that failed) ends it
+and the driver publishes the next one. Everything goes through the job's store, signed with the
+job secret (:mod:`hora.common.rendezvous`):
+
+``elastic/round``
+    the newest round's number (decimal), written by the driver after its plan.
+``elastic/round/<n>/plan``
+    round ``n``'s :class:`RoundPlan`, as JSON: the world size, the host-update number it already
+    accounts for, and one :class:`Assignment` per worker id (``host:slot``).
+``elastic/round/<n>/reset``
+    written by a worker whose collective failed in round ``n`` although no process ended (a
+    network fault, say); the driver then starts round ``n + 1`` with the same workers.
+``elastic/hosts-updated``
+    the driver's latest host-change notice, as JSON ``{"number": k, "flags": f}`` (``f``: 1 hosts
+    added, 2 removed, 3 both). Rank 0 reads it in ``State.check_host_updates()``.
+
+Each round's engine keeps its own keys under the store prefix ``r<n>/`` (failure reports, exit
+reports, process groups), so nothing of a failed round leaks into the next. A worker joins a
+round in :func:`join` (called by ``hvd.init()``): it waits for a round newer than the last one it
+took part in, finds its assignment, and meets the round's other workers at a barrier; a round
+replaced while its workers gather is abandoned for the newer one. A worker that the newest round
+leaves out (its host was removed) ends with exit status 0.
+
+This module knows the store and the protocol; the driver lives in :mod:`hora.runner.elastic`
+and the worker API (``hvd.elastic``) in :mod:`hora.torch.elastic`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from hora.common.config import lookup
+from hora.common.rendezvous import StoreClient
+from hora.common.topology import Topology
+
+logger = logging.getLogger("hora")
+
+# Set to "1" in every worker an elastic horarun starts.
+ELASTIC_VAR = "HORA_ELASTIC"
+# The worker's stable name in the job, "host:slot" (slot: its index among the host's slots).
+WORKER_ID_VAR = "HORA_ELASTIC_ID"
+# How long a worker waits for a round that includes it, and for that round's other workers.
+TIMEOUT_VAR = "ELASTIC_TIMEOUT"  # read as HORA_ELASTIC_TIMEOUT or HOROVOD_ELASTIC_TIMEOUT
+DEFAULT_TIMEOUT_S = 600.0
+
+ROUND_KEY = "elastic/round"
+UPDATES_KEY = "elastic/hosts-updated"
+HOSTS_ADDED = 1
+HOSTS_REMOVED = 2
+
+# How often a waiting worker looks at the store.
+POLL_S = 0.02
+
+
+def plan_key(number: int) -> str:
+    return f"elastic/round/{number}/plan"
+
+
+def reset_key(number: int) -> str:
+    return f"elastic/round/{number}/reset"
+
+
+def round_prefix(number: int) -> str:
+    """The store prefix under which round ``number``'s engine keeps its keys."""
+    return f"r{number}/"
+
+
+def arrived_key(rank: int) -> str:
+    return f"elastic/arrived/{rank}"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One worker's place in a round (as :class:`~hora.common.topology.Topology` has it)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+
+
+@dataclass
+class RoundPlan:
+    """Who trains in one round, and as which rank.
+
+    Attributes:
+        number: the round (0 for the job's first).
+        updates: the number of the last host-change notice this round already reflects.
+        workers: assignment by worker id (``host:slot``), ranks ``0..size-1`` each once.
+    """
+
+    number: int
+    updates: int = 0
+    workers: dict[str, Assignment] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    def ranked(self) -> list[str]:
+        """Worker ids in rank order."""
+        return sorted(self.workers, key=lambda w: self.workers[w].rank)
+
+    def to_json(self) -> bytes:
+        body = {
+            "number": self.number,
+            "updates": self.updates,
+            "workers": {w: asdict(a) for w, a in self.workers.items()},
+        }
+        return json.dumps(body, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RoundPlan:
+        body = json.loads(data)
+        workers = {w: Assignment(**a) for w, a in body["workers"].items()}
+        return cls(int(body["number"]), int(body["updates"]), workers)
+
+    @classmethod
+    def from_order(cls, number: int, updates: int, order: list[str]) -> RoundPlan:
+        """A plan giving ``order[i]`` rank ``i``; local and cross ranks follow from the hosts
+        (the part of a worker id before its last ``:``)."""
+        hosts: dict[str, list[str]] = {}
+        for worker in order:
+            hosts.setdefault(host_of(worker), []).append(worker)
+        host_order = list(hosts)
+        workers: dict[str, Assignment] = {}
+        for rank, worker in enumerate(order):
+            host = host_of(worker)
+            local_rank = hosts[host].index(worker)
+            peers = [h for h in host_order if len(hosts[h]) > local_rank]
+            workers[worker] = Assignment(
+                rank=rank,
+                size=len(order),
+                local_rank=local_rank,
+                local_size=len(hosts[host]),
+                cross_rank=peers.index(host),
+                cross_size=len(peers),
+                hostname=host,
+            )
+        return cls(number, updates, workers)
+
+
+def host_of(worker_id: str) -> str:
+    """The host part of a worker id ``host:slot``."""
+    return worker_id.rsplit(":", 1)[0]
+
+
+# ---------------------------------------------------------------- driver side
+
+
+def publish_round(store: StoreClient, plan: RoundPlan) -> None:
+    """Make ``plan`` the newest round (the plan first, then the round number)."""
+    store.set_signed(plan_key(plan.number), plan.to_json())
+    store.set_signed(ROUND_KEY, str(plan.number).encode())
+
+
+def reset_requested(store: StoreClient, number: int) -> bool:
+    """Whether a worker of round ``number`` asked for a new round."""
+    return store.check(reset_key(number))
+
+
+def publish_host_update(store: StoreClient, number: int, flags: int) -> None:
+    store.set_signed(UPDATES_KEY, json.dumps({"number": number, "flags": flags}).encode())
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def active() -> bool:
+    """Whether this process was started by an elastic ``horarun``."""
+    return os.environ.get(ELASTIC_VAR) == "1"
+
+
+def timeout_s() -> float:
+    raw = lookup(TIMEOUT_VAR)
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(
+            f"HORA_ELASTIC_TIMEOUT must be a number of seconds, got {raw!r}."
+        ) from None
+
+
+class WorkerRemoved(SystemExit):
+    """This worker is not part of the job's newest round: its host was removed. Exit status 0."""
+
+    def __init__(self, worker_id: str, number: int) -> None:
+        super().__init__(0)
+        self.message = (
+            f"hora elastic: worker {worker_id} is not part of round {number} (its host was "
+            "removed from the job); it exits."
+        )
+
+
+class _Progress:
+    """What this process knows across ``hvd.init()`` calls."""
+
+    last_round = -1
+    plan: RoundPlan | None = None
+
+
+progress = _Progress()
+
+
+def request_reset() -> None:
+    """Ask the driver for a new round (this round's collectives failed). Best effort."""
+    if progress.plan is not None:
+        try:
+            base_store().set_signed(reset_key(progress.plan.number), b"")
+        except Exception:  # noqa: BLE001 - the driver also notices exits on its own
+            logger.debug("could not ask the elastic driver for a new round", exc_info=True)
+
+
+def read_host_update(store: StoreClient) -> tuple[int, int]:
+    """The driver's latest host-change notice, ``(number, flags)``; ``(0, 0)`` when none."""
+    if not store.check(UPDATES_KEY):
+        return 0, 0
+    body = json.loads(store.get_signed(UPDATES_KEY))
+    return int(body["number"]), int(body["flags"])
+
+
+def base_store() -> StoreClient:
+    """The job's store, without any round's prefix."""
+    addr = lookup("RENDEZVOUS_ADDR") or ""
+    port = int(lookup("RENDEZVOUS_PORT") or "0")
+    secret = os.environ.get("HORA_SECRET_KEY", "")
+    if not addr or not secret:
+        raise ValueError(
+            f"{ELASTIC_VAR}=1 but HORA_RENDEZVOUS_ADDR or HORA_SECRET_KEY is not set: elastic "
+            "workers must be started by horarun --min-np/--max-np/--host-discovery-script."
+        )
+    return StoreClient(addr, port, secret, timeout_s=60.0)
+
+
+def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
+    """Wait for a round newer than this process's last one that includes it; meet its workers.
+
+    Returns:
+        This worker's topology in the round, and a store client under the round's prefix.
+
+    Raises:
+        WorkerRemoved: the newest round leaves this worker out.
+        TimeoutError: no such round formed within ``HORA_ELASTIC_TIMEOUT``.
+    """
+    worker_id = os.environ.get(WORKER_ID_VAR, "")
+    if not worker_id:
+        raise ValueError(f"{ELASTIC_VAR}=1 but {WORKER_ID_VAR} is not set.")
+    limit = timeout_s() if wait_s is None else wait_s
+    base = base_store()
+    deadline = time.monotonic() + limit
+    while True:
+        plan = _newest_round(base, progress.last_round, deadline, worker_id)
+        assignment = plan.workers.get(worker_id)
+        if assignment is None:
+            raise WorkerRemoved(worker_id, plan.number)
+        store = StoreClient(
+            base.addr, base.port, base.secret, base.timeout_s, prefix=round_prefix(plan.number)
+        )
+        if _gather(base, store, plan, assignment.rank, deadline, worker_id):
+            break
+        logger.debug("round %d was replaced while its workers gathered", plan.number)
+        progress.last_round = plan.number
+    progress.last_round = plan.number
+    progress.plan = plan
+    topology = Topology(
+        rank=assignment.rank,
+        size=assignment.size,
+        local_rank=assignment.local_rank,
+        local_size=assignment.local_size,
+        cross_rank=assignment.cross_rank,
+        cross_size=assignment.cross_size,
+        hostname=assignment.hostname,
+        rendezvous_addr=base.addr,
+        rendezvous_port=base.port,
+        secret=base.secret,
+        source=f"horarun (elastic, round {plan.number})",
+        store_prefix=round_prefix(plan.number),
+    )
+    return topology, store
+
+
+def _current_round(base: StoreClient) -> int:
+    if not base.check(ROUND_KEY):
+        return -1
+    return int(base.get_signed(ROUND_KEY))
+
+
+def _newest_round(base: StoreClient, after: int, deadline: float, worker_id: str) -> RoundPlan:
+    while True:
+        number = _current_round(base)
+        if number > after:
+            return RoundPlan.from_json(base.get_signed(plan_key(number)))
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"hora elastic: worker {worker_id} waited {timeout_s():g} s for the driver to "
+                f"form a new round after round {after}. Is horarun still running? Its output "
+                "says whether it waits for hosts (see --elastic-timeout)."
+            )
+        time.sleep(POLL_S)
+
+
+def _gather(
+    base: StoreClient,
+    store: StoreClient,
+    plan: RoundPlan,
+    rank: int,
+    deadline: float,
+    worker_id: str,
+) -> bool:
+    """Meet the round's other workers; ``False`` when a newer round replaced it meanwhile."""
+    store.set_signed(arrived_key(rank), b"")
+    everyone = [store.key(arrived_key(r)) for r in range(plan.size)]
+    while not store.store.check(everyone):
+        if _current_round(base) > plan.number:
+            return False
+        if time.monotonic() > deadline:
+            missing = [r for r in range(plan.size) if not store.check(arrived_key(r))]
+            names = [w for w in plan.ranked() if plan.workers[w].rank in missing]
+            raise TimeoutError(
+                f"hora elastic: worker {worker_id} (rank {rank} of round {plan.number}) waited "
+                f"{timeout_s():g} s for ranks {missing} ({', '.join(names)}) to join."
+            )
+        time.sleep(POLL_S)
+    return True
