@@ -6,10 +6,13 @@ Usage::
     horarun -np 4 -H localhost:4 --output-filename logs/ python train.py
     horarun -np 8 -H node1:4,node2:4 python train.py
     horarun -np 8 --hostfile hosts.txt --config-file horovod.yaml python train.py
+    horarun -np 2 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py
 
 Flags follow ``horovodrun`` (see :mod:`hora.runner.options`). The launch reads as an outline:
 parse the flags, plan the job (hosts, slots, the SSH check, the store's address), start the store
-and the workers, supervise them, report. Importing this module never imports PyTorch.
+and the workers, supervise them, report. An elastic job (``--min-np``, ``--max-np`` or
+``--host-discovery-script``) goes to :func:`hora.runner.elastic.run_elastic` instead. Importing
+this module never imports PyTorch.
 """
 
 from __future__ import annotations
@@ -136,8 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not args.command:
         options.build_parser().error("no command given; usage: horarun -np N python train.py")
+    elastic = options.is_elastic(args)
     if args.np is None:
-        options.build_parser().error("-np is required (the number of worker processes)")
+        options.build_parser().error(
+            "-np (or --min-np) is required (the number of worker processes to start with)"
+            if elastic
+            else "-np is required (the number of worker processes)"
+        )
 
     def say(message: str) -> None:
         if args.verbose:
@@ -145,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for note in options.notes(args):
         say(note)
+    if elastic:
+        from hora.runner.elastic import run_elastic
+
+        return run_elastic(args, say)
     try:
         plan = plan_job(args, say)
     except HostError as exc:

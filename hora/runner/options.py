@@ -4,8 +4,9 @@ This module owns the flag names (horovodrun's, plus a few of hora's own), the YA
 keys, which flags hora honours, and the ``HORA_*`` variables the honoured ones set for workers.
 Flags that only mean something for a compiled Horovod build (MPI, NCCL, thread pinning,
 autotuning) are accepted and have no effect: :func:`notes` says so, one line each, for
-``--verbose``. Flags asking for something hora cannot do (an MPI or jsrun launch, elastic mode, a
-timeline file) are refused by :func:`refusals`. It does not start anything.
+``--verbose``. Flags asking for something hora cannot do (an MPI or jsrun launch) are refused by
+:func:`refusals`. ``--min-np``, ``--max-np`` or ``--host-discovery-script`` make the job elastic
+(:func:`is_elastic`; the driver is :mod:`hora.runner.elastic`). It does not start anything.
 """
 
 from __future__ import annotations
@@ -167,14 +168,53 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--autotune-bayes-opt-max-samples", type=int, default=None)
     auto.add_argument("--autotune-gaussian-process-noise", type=float, default=None)
 
-    elastic = parser.add_argument_group("elastic (not available in hora yet)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=None)
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, default=None)
-    elastic.add_argument("--slots-per-host", "--slots", dest="slots", type=int, default=None)
-    elastic.add_argument("--elastic-timeout", type=float, default=None)
-    elastic.add_argument("--reset-limit", type=int, default=None)
+    elastic = parser.add_argument_group(
+        "elastic (on with --min-np, --max-np or --host-discovery-script)"
+    )
     elastic.add_argument(
-        "--blacklist-cooldown-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX")
+        "--min-np",
+        "--min-num-proc",
+        dest="min_np",
+        type=int,
+        default=None,
+        help="fewest workers the job may train with (default: -np)",
+    )
+    elastic.add_argument(
+        "--max-np",
+        "--max-num-proc",
+        dest="max_np",
+        type=int,
+        default=None,
+        help="most workers the job may train with (default: every slot available)",
+    )
+    elastic.add_argument(
+        "--slots-per-host",
+        "--slots",
+        dest="slots",
+        type=int,
+        default=None,
+        help="slots of a host the discovery script names without :N (default 1)",
+    )
+    elastic.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for enough slots, and workers for a round (HORA_ELASTIC_TIMEOUT, "
+        "default 600)",
+    )
+    elastic.add_argument(
+        "--reset-limit",
+        type=int,
+        default=None,
+        help="most times the job may re-form after its first round (default: no limit)",
+    )
+    elastic.add_argument(
+        "--blacklist-cooldown-range",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="seconds a failed host stays out, growing from MIN to MAX (default: for good)",
     )
 
     timeline = parser.add_argument_group("timeline")
@@ -290,7 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument(
         "-hostfile", "--hostfile", default=None, help="file with one `host slots=N` per line"
     )
-    hosts.add_argument("--host-discovery-script", default=None, help="(elastic; not available)")
+    hosts.add_argument(
+        "--host-discovery-script",
+        default=None,
+        metavar="PATH",
+        help="(elastic) executable printing the available hosts, one `host` or `host:slots` a "
+        "line; run every second",
+    )
 
     controller = parser.add_argument_group("controller").add_mutually_exclusive_group()
     controller.add_argument("--gloo", action="store_true", default=None, help="use Gloo (default)")
@@ -436,7 +482,12 @@ _NON_NEGATIVE = (
     "stall_check_shutdown_time_seconds",
     "num_nccl_streams",
     "gloo_timeout_seconds",
+    "elastic_timeout",
+    "reset_limit",
 )
+
+# The largest --blacklist-cooldown-range bound (horovodrun's).
+MAX_COOLDOWN_S = 3600.0
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -454,6 +505,60 @@ def _validate(args: argparse.Namespace) -> None:
     for option in args.ssh_option or []:
         if "=" not in option or option.startswith("-"):
             raise OptionError(f"--ssh-option {option!r} must look like Key=Value.")
+    if is_elastic(args):
+        _validate_elastic(args)
+
+
+def is_elastic(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for an elastic job (``--min-np``, ``--max-np`` or
+    ``--host-discovery-script``)."""
+    return (
+        args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
+    )
+
+
+def _validate_elastic(args: argparse.Namespace) -> None:
+    """Check the elastic flags and fill the defaults: ``-np`` from ``--min-np`` and the reverse."""
+    for dest, flag in (
+        ("min_np", "--min-np"),
+        ("max_np", "--max-np"),
+        ("slots", "--slots-per-host"),
+    ):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise OptionError(f"{flag} must be >= 1, got {value}.")
+    if args.np is None:
+        args.np = args.min_np
+    if args.min_np is None:
+        args.min_np = args.np
+    if args.np is not None:
+        if args.np < args.min_np:
+            raise OptionError(
+                f"-np {args.np} is less than --min-np {args.min_np}: the job starts with -np "
+                "workers, at least --min-np."
+            )
+        if args.max_np is not None and args.np > args.max_np:
+            raise OptionError(f"-np {args.np} is more than --max-np {args.max_np}.")
+    if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:
+        raise OptionError(f"--min-np {args.min_np} is more than --max-np {args.max_np}.")
+    if args.elastic_timeout is not None and args.elastic_timeout <= 0:
+        raise OptionError(f"--elastic-timeout must be > 0 seconds, got {args.elastic_timeout:g}.")
+    if args.blacklist_cooldown_range is not None:
+        low, high = args.blacklist_cooldown_range
+        if not 1 <= low <= high <= MAX_COOLDOWN_S:
+            raise OptionError(
+                f"--blacklist-cooldown-range {low:g} {high:g}: need 1 <= MIN <= MAX <= "
+                f"{MAX_COOLDOWN_S:g} (seconds)."
+            )
+    script = args.host_discovery_script
+    if script is not None:
+        path = Path(script)
+        if not path.is_file():
+            raise OptionError(f"--host-discovery-script {script!r}: no such file.")
+        if not os.access(path, os.X_OK):
+            raise OptionError(
+                f"--host-discovery-script {script!r} is not executable; run `chmod +x {script}`."
+            )
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -509,6 +614,15 @@ _INERT = (
 )  # fmt: skip
 
 
+# Flags that only mean something in an elastic job.
+_ELASTIC_ONLY = (
+    ("slots", "--slots-per-host"),
+    ("elastic_timeout", "--elastic-timeout"),
+    ("reset_limit", "--reset-limit"),
+    ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
+)
+
+
 def notes(args: argparse.Namespace) -> list[str]:
     """One line per accepted flag that has no effect in hora (printed under ``--verbose``)."""
     found = []
@@ -516,18 +630,18 @@ def notes(args: argparse.Namespace) -> list[str]:
         value = getattr(args, inert.dest)
         if value is not None and value is not False:
             found.append(f"{inert.flag} has no effect: {inert.why}")
+    if not is_elastic(args):
+        for dest, flag in _ELASTIC_ONLY:
+            if getattr(args, dest) is not None:
+                found.append(
+                    f"{flag} has no effect: the job is not elastic (give --min-np, --max-np or "
+                    "--host-discovery-script)."
+                )
+    elif args.slots is not None and args.host_discovery_script is None:
+        found.append(
+            "--slots-per-host has no effect: it applies to hosts a --host-discovery-script names."
+        )
     return found
-
-
-_ELASTIC = (
-    ("min_np", "--min-np"),
-    ("max_np", "--max-np"),
-    ("slots", "--slots-per-host"),
-    ("elastic_timeout", "--elastic-timeout"),
-    ("reset_limit", "--reset-limit"),
-    ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
-    ("host_discovery_script", "--host-discovery-script"),
-)
 
 
 def refusals(args: argparse.Namespace) -> list[str]:
@@ -540,12 +654,6 @@ def refusals(args: argparse.Namespace) -> list[str]:
         )
     if args.jsrun:
         found.append("--jsrun is not available: hora does not launch through LSF's jsrun.")
-    elastic = [flag for dest, flag in _ELASTIC if getattr(args, dest) is not None]
-    if elastic:
-        found.append(
-            f"{', '.join(elastic)}: elastic training is not available in hora yet; run a "
-            "fixed-size job with -np N."
-        )
     return found
 
 

@@ -282,7 +282,7 @@ def test_config_file_and_flags_reach_the_workers(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--mpi"], "--mpi (or controller: mpi) is not available"),
-        (["--min-np", "1"], "elastic training is not available in hora yet"),
+        (["--min-np", "3"], "-np 2 is less than --min-np 3"),
         (["--fusion-threshold-mb", "-4"], "fusion_threshold_mb=-4 must be >= 0"),
         (["--hostfile", "/nonexistent/hosts"], "cannot read hostfile"),
         (["--config-file", "/nonexistent/horovod.yaml"], "cannot read config file"),
