@@ -127,3 +127,18 @@ def test_synthetic_benchmark_refuses_adasum() -> None:
     )
     assert result.returncode == 2
     assert "--use-adasum: hora has no Adasum reduction" in result.stderr
+
+
+@pytest.mark.timeout(150)
+def test_elastic_digits_survives_the_demo_failure_and_still_learns() -> None:
+    command = [*HORARUN, "-np", "3", "--min-np", "2", "--max-np", "3"]
+    command += ["--host-discovery-script", str(ROOT / "examples" / "elastic_hosts.sh")]
+    command += [sys.executable, str(ROOT / "examples" / "pytorch_elastic_digits.py")]
+    command += ["--demo-failure"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=140, cwd=ROOT)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "rank 2: killing myself" in result.stdout
+    assert "the job now has 2 workers" in result.stdout
+    assert "127.0.0.3 blacklisted" in result.stderr, result.stderr
+    finals = FINAL.findall(result.stdout)
+    assert len(finals) == 1 and float(finals[0]) >= 0.9, result.stdout

@@ -1,0 +1,130 @@
+"""Elastic training of the digits CNN: workers may die or join, and training goes on.
+
+Run it on this machine, with three loopback addresses playing three hosts::
+
+    horarun -np 3 --min-np 2 --max-np 3 \\
+        --host-discovery-script examples/elastic_hosts.sh \\
+        python examples/pytorch_elastic_digits.py --demo-failure
+
+``--demo-failure`` makes the worker of rank 2 kill itself (SIGKILL) in the middle of epoch 2. The
+two others roll back to the last commit, go on as a job of two, and finish; ``horarun`` names the
+lost worker and blacklists its host. Without it, edit the hosts the discovery script prints
+(``HORA_EXAMPLE_HOSTS``, see examples/elastic_hosts.sh) while the job runs to remove or add hosts.
+
+What makes it elastic, compared with examples/pytorch_digits.py:
+
+* the training loop is a function decorated with ``hvd.elastic.run``, taking a ``state``;
+* ``hvd.elastic.TorchState`` holds the model, the optimizer, the sampler and the counters, and
+  ``state.commit()`` (every ``--commit-every`` batches) is the point a failure rolls back to;
+* ``hvd.elastic.ElasticSampler`` shards the training set and, when the world changes, shards
+  only what this epoch has not yet processed, so no sample is skipped or repeated;
+* a reset callback scales the learning rate to the new number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+
+# The model, data and evaluation are those of the plain example, beside this file (Python puts
+# the script's folder on the path).
+from pytorch_digits import DigitsNet, evaluate, load_data
+from torch.utils.data import DataLoader
+
+import hora.torch as hvd
+from hora.common import elastic as protocol
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="hora example: elastic training on digits")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs to train")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size per worker")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate of one worker")
+    parser.add_argument("--commit-every", type=int, default=5, help="batches between commits")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the split and the model")
+    parser.add_argument(
+        "--demo-failure",
+        action="store_true",
+        help="rank 2 of the first round kills itself (SIGKILL) in the middle of epoch 2",
+    )
+    return parser.parse_args()
+
+
+def first_round() -> bool:
+    """Whether this is the job's first round (before any worker was lost or added)."""
+    return protocol.progress.plan is None or protocol.progress.plan.number == 0
+
+
+def main() -> None:
+    args = parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    train_set, test_set = load_data(args.seed)
+    model = DigitsNet()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9),
+        named_parameters=model.named_parameters(),
+    )
+    sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
+    state = hvd.elastic.TorchState(
+        model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0
+    )
+
+    def rescale_learning_rate() -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * hvd.size()
+        if hvd.rank() == 0:
+            print(f"the job now has {hvd.size()} workers; learning rate {args.lr * hvd.size()}")
+
+    state.register_reset_callbacks([rescale_learning_rate])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while state.epoch < args.epochs:
+            model.train()
+            loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
+            # After a change of world size the shards can differ by a sample, hence by one
+            # batch: every rank runs the longest count, a rank without data adds nothing.
+            longest = hvd.allreduce(torch.tensor([float(len(loader))]), op=hvd.Max, name="steps")
+            batches = iter(loader)
+            for step in range(int(longest.item())):
+                where = (hvd.rank(), state.epoch, state.batch)
+                if args.demo_failure and first_round() and where == (2, 1, 12):
+                    print("rank 2: killing myself (--demo-failure)", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                optimizer.zero_grad()
+                batch = next(batches, None)
+                if batch is not None:
+                    images, labels = batch
+                    F.cross_entropy(model(images), labels).backward()
+                optimizer.step()
+                state.sampler.record_batch(step, args.batch_size)
+                state.batch += 1
+                if state.batch % args.commit_every == 0:
+                    state.commit()
+            accuracy = evaluate(model, test_set)
+            if hvd.rank() == 0:
+                print(
+                    f"epoch {state.epoch + 1}/{args.epochs} on {hvd.size()} workers: "
+                    f"test accuracy {accuracy:.4f}",
+                    flush=True,
+                )
+            state.epoch += 1
+            state.batch = 0
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+
+    train(state)
+    accuracy = evaluate(model, test_set)
+    if hvd.rank() == 0:
+        print(f"final test accuracy: {accuracy:.4f}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Elastic training end to end: ``horarun`` with a discovery script, real workers, real failures.
+
+Each "host" is a loopback address of this machine (127.0.0.1, 127.0.0.2, ...), so one machine
+plays several hosts and a failed host can be blacklisted without ending the job. The workers run
+tests/multiproc/elastic_train.py, whose committed history lets the test check that every sample
+of every epoch was used exactly once and that the final weights are what the committed steps
+imply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.multiproc import elastic_train
+
+HORARUN = [sys.executable, "-m", "hora.runner.launch"]
+WORKER = str(Path(elastic_train.__file__))
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _discovery(tmp_path: Path, hosts: list[str]) -> tuple[Path, Path]:
+    """A discovery script printing the lines of a hosts file the test may rewrite."""
+    listing = tmp_path / "hosts.txt"
+    listing.write_text("".join(f"{h}\n" for h in hosts))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    return script, listing
+
+
+def _start(
+    tmp_path: Path, script: Path, flags: list[str], env: dict[str, str]
+) -> subprocess.Popen[str]:
+    environment = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "ELASTIC_RESULT": str(tmp_path / "result.json"),
+        "HORA_ELASTIC_TIMEOUT": "60",
+        **env,
+    }
+    command = [*HORARUN, "--verbose", "--host-discovery-script", str(script), *flags]
+    command += [sys.executable, WORKER]
+    return subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(job: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str, str]:
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, err = job.communicate()
+        raise AssertionError(f"the elastic job did not finish:\n{out}\n{err}") from None
+    return job.returncode, out, err
+
+
+def _check_history(result: dict[str, Any]) -> None:
+    history = result["history"]
+    # Every epoch used every sample exactly once (in the committed trajectory).
+    for epoch in range(elastic_train.EPOCHS):
+        used = [i for e, batches in history if e == epoch for batch in batches for i in batch]
+        assert sorted(used) == list(range(elastic_train.SAMPLES)), (epoch, sorted(used))
+    weight, bias = elastic_train.replay(history)
+    assert result["weight"] == pytest.approx(weight, abs=1e-5)
+    assert result["bias"] == pytest.approx(bias, abs=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_survived_and_nothing_is_lost_or_repeated(tmp_path: Path) -> None:
+    script, _ = _discovery(tmp_path, ["127.0.0.1", "127.0.0.2", "127.0.0.3"])
+    env = {"ELASTIC_KILL": "127.0.0.3:0,1,3"}
+    job = _start(tmp_path, script, ["-np", "3", "--min-np", "2"], env)
+    code, out, err = _finish(job)
+    assert code == 0, err[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["size"] == 2 and result["round"] >= 1, result
+    _check_history(result)
+    # The steps of epoch 1 ran on 3 workers, then on 2 after the rollback.
+    sizes = [len(batches) for epoch, batches in result["history"] if epoch == 1]
+    assert sizes[0] == 3 and sizes[-1] == 2, sizes
+    assert "127.0.0.3" in err and "blacklist" in err.lower(), err[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_host_added_mid_run_grows_the_world(tmp_path: Path) -> None:
+    script, listing = _discovery(tmp_path, ["127.0.0.1", "127.0.0.2"])
+    mark = tmp_path / "epoch0.done"
+    env = {"ELASTIC_MARK": str(mark), "ELASTIC_STEP_DELAY": "0.05"}
+    job = _start(tmp_path, script, ["-np", "2", "--min-np", "2", "--max-np", "3"], env)
+
+    def add_host() -> None:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        listing.write_text("127.0.0.1\n127.0.0.2\n127.0.0.3\n")
+
+    adder = threading.Thread(target=add_host, daemon=True)
+    adder.start()
+    code, out, err = _finish(job)
+    adder.join(timeout=5)
+    assert code == 0, err[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["size"] == 3, result
+    _check_history(result)
+    sizes = {len(batches) for _, batches in result["history"]}
+    assert sizes == {2, 3}, sizes
