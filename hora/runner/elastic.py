@@ -67,9 +67,8 @@ from hora.common.elastic import (
 from hora.common.rendezvous import StoreClient, exit_key, report_failure
 from hora.runner import options
 from hora.runner.hosts import Host, HostError, Slot, is_local, parse_hostfile, parse_hosts
-from hora.runner.launch import worker_env
+from hora.runner.launch import ssh_settings, worker_env
 from hora.runner.remote import (
-    CONNECT_TIMEOUT_S,
     SshSettings,
     interface_address,
     rendezvous_address,
@@ -1026,13 +1025,7 @@ def run_elastic(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             local[host] = is_local(host)
         return not local[host]
 
-    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
-    ssh = SshSettings(
-        port=args.ssh_port,
-        identity_file=args.ssh_identity_file,
-        options=tuple(args.ssh_option or ()),
-        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
-    )
+    ssh = ssh_settings(args)
     remote = [h.name for h in first if is_remote(h.name)]
     try:
         if remote:

@@ -74,6 +74,18 @@ class Plan:
     ssh: SshSettings
 
 
+def ssh_settings(args: argparse.Namespace) -> SshSettings:
+    """How the job's hosts are reached: the SSH flags, and a connect timeout capped by
+    ``--start-timeout``."""
+    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
+    return SshSettings(
+        port=args.ssh_port,
+        identity_file=args.ssh_identity_file,
+        options=tuple(args.ssh_option or ()),
+        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
+    )
+
+
 def plan_job(args: argparse.Namespace, say: Callable[[str], None]) -> Plan:
     """Resolve hosts and slots, check SSH to every remote host, and pick the store's address.
 
@@ -87,13 +99,7 @@ def plan_job(args: argparse.Namespace, say: Callable[[str], None]) -> Plan:
     slots = assign_slots(hosts, args.np)
     used = list(dict.fromkeys(slot.hostname for slot in slots))
     remote_hosts = [name for name in used if not is_local(name)]
-    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
-    ssh = SshSettings(
-        port=args.ssh_port,
-        identity_file=args.ssh_identity_file,
-        options=tuple(args.ssh_option or ()),
-        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
-    )
+    ssh = ssh_settings(args)
     if remote_hosts:
         say(f"checking SSH to {', '.join(remote_hosts)}")
         check_hosts(remote_hosts, ssh)
