@@ -866,11 +866,13 @@ class Driver:
         self.finishing_since = now
         self.finisher = f"rank {rank} ({worker_id})"
         others = [w for w in self.plan.workers if w != worker_id]
-        self.say(
-            f"{self.finisher} finished with exit status 0: training is over; waiting up to "
-            f"{self.limits.timeout_s:g} s for the other {_plural(len(others), 'worker')} of "
-            f"round {self.plan.number}"
+        waiting = (
+            f"; waiting up to {self.limits.timeout_s:g} s for the other "
+            f"{_plural(len(others), 'worker')} of round {self.plan.number}"
+            if others
+            else ""
         )
+        self.say(f"{self.finisher} finished with exit status 0: training is over{waiting}")
         running = self._running()
         plan = self.plan
         arrived = self._arrivals(plan)

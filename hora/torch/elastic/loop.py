@@ -160,7 +160,10 @@ def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) 
             # The round is lost. Roll back to the last commit (every surviving rank holds one;
             # rank 0's is what everyone syncs to) and tell the driver, which may not know yet.
             logger.debug("elastic: a collective failed: %s", exc)
-            state.restore()
+            if basics.is_initialized():
+                state.restore()
+            # else joining the next round failed (a new worker died while the group formed):
+            # the state was already rolled back, or saved, before that reset.
             _elastic.request_reset()
             cause = "a failed collective; resuming from the last commit"
         except HostsUpdatedInterrupt:
