@@ -16,6 +16,7 @@ lost rank. The engine sees requests and flat buffers, never modules or optimizer
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -256,6 +257,7 @@ class Engine:
         # The steady-state batch whose allreduce runs while the next one fills.
         self._flight: _Flight | None = None
         self._held: dict[str, Entry] = {}
+        self._taken: list[Entry] = []
         self._awaiting: set[str] = set()
         self._cuts: set[str] = set()
         # Times the steady state was entered and left, and batches it ran (tests and tools read it).
@@ -435,8 +437,10 @@ class Engine:
             while self._cycle():
                 pass
         except TransportError as exc:
+            self._hand_back(self._taken)
             self._transport_failed(str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
+            self._hand_back(self._taken)
             logger.exception("hora engine on rank %d stopped", self.rank)
             with self._fail_lock:
                 if self._failure is None:
@@ -461,6 +465,9 @@ class Engine:
                 self._wakeup.notify_all()
 
     def _cycle(self) -> bool:
+        # Entries this cycle takes out of the in-flight table; should the cycle raise, their
+        # handles fail with the engine rather than wait forever (see _loop).
+        self._taken = []
         if self._schedule is not None:
             # Results are written into the caller's tensors outside autograd, as in _execute.
             with torch.no_grad():
@@ -627,9 +634,20 @@ class Engine:
         starts the same batches in the same order; waiting for them is local. A batch is
         *landed* (its codes read, its results delivered) before the one after next starts.
         """
+        flight = self._flight
+        try:
+            return self._steady_step(flight)
+        except BaseException:
+            # Batches started in earlier cycles hold entries too: give them back to fail.
+            entries = list(flight.entries) if flight is not None else []
+            if self._flight is not None and self._flight is not flight:
+                entries += self._flight.entries
+            self._hand_back(entries)
+            raise
+
+    def _steady_step(self, flight: _Flight | None) -> bool:
         schedule = self._schedule
         assert schedule is not None
-        flight = self._flight
         # A rank that deviated starts nothing more: it lands that batch and leaves (the
         # deviating entry is among those it holds).
         if flight is not None and (
@@ -976,7 +994,9 @@ class Engine:
                 continue
             comm = self._communicators[head.process_set_id]
             if head.kind == RequestType.ALLREDUCE:
-                self._allreduce(batch, comm)
+                waiting = [self._in_flight.get(r.names[0]) for r in batch]
+                with _writing_to_inference(waiting):
+                    self._allreduce(batch, comm)
             elif head.kind == RequestType.ALLGATHER:
                 self._allgather(head, comm, members)
             elif head.kind == RequestType.BROADCAST:
@@ -1045,7 +1065,10 @@ class Engine:
 
     def _take(self, name: str) -> Entry | None:
         with self._wakeup:
-            return self._in_flight.pop(name, None)
+            entry = self._in_flight.pop(name, None)
+        if entry is not None:
+            self._taken.append(entry)
+        return entry
 
     def _fail_name(self, name: str, message: str) -> None:
         entry = self._take(name)
@@ -1280,8 +1303,23 @@ class Engine:
         return f"rank {self.rank}: a collective failed while every rank is still alive: {error}"
 
 
+def _writing_to_inference(entries: Sequence[Entry | None]) -> Any:
+    """``torch.inference_mode()`` when a destination was made in inference mode (a caller in
+    ``torch.inference_mode()``, as PyTorch Lightning's validation), where only it may write."""
+    for entry in entries:
+        dest = _destination(entry)
+        if dest is not None and dest.is_inference():
+            return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
 def _copy_out(entries: Sequence[Entry | None], flat: torch.Tensor, sizes: list[int]) -> None:
     """Copy pieces of a reduced buffer to the entries' destinations and finish them."""
+    with _writing_to_inference(entries):
+        _copy_out_pieces(entries, flat, sizes)
+
+
+def _copy_out_pieces(entries: Sequence[Entry | None], flat: torch.Tensor, sizes: list[int]) -> None:
     pairs = [
         (dest.reshape(-1), piece)
         for dest, piece in zip(map(_destination, entries), flat.split(sizes))
@@ -1299,6 +1337,13 @@ def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], facto
     if factor == 1.0 or flat.dtype in (torch.float16, torch.bfloat16):
         _copy_out(list(entries), _scale(flat, factor), sizes)
         return
+    with _writing_to_inference(entries):
+        _scale_out_pieces(entries, flat, sizes, factor)
+
+
+def _scale_out_pieces(
+    entries: list[Entry], flat: torch.Tensor, sizes: list[int], factor: float
+) -> None:
     for entry, piece in zip(entries, flat.split(sizes)):
         dest = _destination(entry)
         if dest is None:

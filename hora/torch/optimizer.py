@@ -52,7 +52,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        super(self.__class__, self).__init__(params)  # type: ignore[misc]
+        super(self._hora_class, self).__init__(params)  # type: ignore[misc]
         self._compression = compression
         self._op = op
         self._predivide = gradient_predivide_factor
@@ -251,7 +251,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        result = super(self.__class__, self).step(closure)  # type: ignore[misc]
+        result = super(self._hora_class, self).step(closure)  # type: ignore[misc]
         if timeline is not None:
             timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
             # Every finished step reaches the file, even if the process is killed next.
@@ -261,7 +261,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(handle is not None for handle, _ in self._handles.values()):
             raise AssertionError(_ZERO_GRAD_RACE)
-        super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+        super(self._hora_class, self).zero_grad(set_to_none)  # type: ignore[misc]
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before an allreduce."""
@@ -277,7 +277,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
-        super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
+        super(self._hora_class, self).load_state_dict(state_dict)  # type: ignore[misc]
 
 
 def _elastic() -> bool:
@@ -396,6 +396,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         (optimizer.__class__,),
         dict(_DistributedOptimizer.__dict__),
     )
+    # The methods call the wrapped optimizer's as super(cls, self): a subclass of the result
+    # (as PyTorch Lightning makes) then still reaches the wrapped class, not itself again.
+    cls._hora_class = cls  # type: ignore[attr-defined]
     return cls(  # type: ignore[no-any-return]
         optimizer.param_groups,
         named_parameters,

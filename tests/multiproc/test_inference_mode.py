@@ -1,0 +1,43 @@
+"""Collectives on tensors made under ``torch.inference_mode()`` (as in PyTorch Lightning's
+validation and test loops) return results instead of stopping the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .jobs import run_job
+
+
+def _inference_worker() -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        x = torch.ones(4) * (hvd.rank() + 1)
+        out["allreduce"] = hvd.allreduce(x, op=hvd.Sum, name="made.inside").tolist()
+        y = torch.ones(3)
+        hvd.allreduce_(y, op=hvd.Sum, name="in.place.inside")
+        out["in_place"] = y.tolist()
+        z = torch.ones(2)
+    # An inference tensor reduced in place from outside inference mode.
+    hvd.allreduce_(z, op=hvd.Sum, name="in.place.outside")
+    out["outside"] = z.tolist()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 3])
+def test_inference_tensors_are_reduced(np: int) -> None:
+    total = sum(range(1, np + 1))
+    for result in run_job(_inference_worker, np):
+        assert result == {
+            "allreduce": [float(total)] * 4,
+            "in_place": [float(np)] * 3,
+            "outside": [float(np)] * 2,
+        }
