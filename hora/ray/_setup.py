@@ -25,40 +25,15 @@ from typing import Any
 
 from hora.common.rendezvous import new_secret
 from hora.ray import _worker
+from hora.runner.hosts import Slot
 
 logger = logging.getLogger("hora.ray")
 
 LOOPBACK = "127.0.0.1"
 
 
-@dataclass(frozen=True)
-class Placement:
-    """One rank's place in the job."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
-
-    def env(self) -> dict[str, str]:
-        """The topology variables under hora's and Horovod's names (as ``horarun`` sets them)."""
-        values = {
-            "RANK": self.rank,
-            "SIZE": self.size,
-            "LOCAL_RANK": self.local_rank,
-            "LOCAL_SIZE": self.local_size,
-            "CROSS_RANK": self.cross_rank,
-            "CROSS_SIZE": self.cross_size,
-            "HOSTNAME": self.hostname,
-        }
-        env: dict[str, str] = {}
-        for key, value in values.items():
-            env[f"HORA_{key}"] = str(value)
-            env[f"HOROVOD_{key}"] = str(value)
-        return env
+# One rank's place in the job: the same record (and variables) as horarun's.
+Placement = Slot
 
 
 def place(nodes: Sequence[str], hostnames: Sequence[str] | None = None) -> list[Placement]:
