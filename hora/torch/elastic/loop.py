@@ -147,9 +147,12 @@ def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) 
     must_reset = False
     cause = ""
     while True:
+        joining = False
         try:
             if must_reset:
+                joining = True
                 _reset()
+                joining = False
                 state.on_reset()
                 _resets += 1
                 must_reset = False
@@ -160,10 +163,11 @@ def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) 
             # The round is lost. Roll back to the last commit (every surviving rank holds one;
             # rank 0's is what everyone syncs to) and tell the driver, which may not know yet.
             logger.debug("elastic: a collective failed: %s", exc)
-            if basics.is_initialized():
+            if not joining:
                 state.restore()
             # else joining the next round failed (a new worker died while the group formed):
-            # the state was already rolled back, or saved, before that reset.
+            # the state was already rolled back, or saved, before that reset, and hora is
+            # not running to restore with.
             _elastic.request_reset()
             cause = "a failed collective; resuming from the last commit"
         except HostsUpdatedInterrupt:
