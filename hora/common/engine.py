@@ -747,12 +747,12 @@ class Engine:
             raise
         timeline = self.timeline
         done = timeline.now() if timeline is not None else 0
-        with self._wakeup:
-            schedule.in_flight.discard(flight.position)
         buffer, sizes = flight.buffer, flight.sizes
         total = sum(sizes)
         codes = buffer[total:]
         if bool(codes.any()):
+            with self._wakeup:
+                schedule.in_flight.discard(flight.position)
             self._abort_following(schedule, following)
             entries = flight.entries + (following.entries if following else [])
             deviation = flight.deviation or (following.deviation if following else None)
@@ -769,6 +769,9 @@ class Engine:
         data = buffer[:total]
         finished = [e for e in flight.entries if e is not None]
         _scale_out(finished, data, sizes, postscale)
+        with self._wakeup:
+            # Only now may the next period's tensors be staged into this buffer.
+            schedule.in_flight.discard(flight.position)
         if timeline is not None:
             args = '{"op":"ALLREDUCE"}'
             for entry in finished:

@@ -103,9 +103,16 @@ class Schedule:
         self.position = (self.position + 1) % len(self.batches)
 
     def expects(self, request: Request) -> bool:
-        """Whether ``request`` is one the rest of this period runs (same name and request)."""
+        """Whether ``request`` is one the schedule runs (same name and request).
+
+        A name whose batch already ran in this period belongs to the next one: a schedule may
+        start anywhere in a training step (wherever the agreed sequence was first seen to
+        repeat), so a rank that submits a step's tensors in another order reaches into the
+        next period. Its batch uses it when it comes round. A rank whose user then waits on
+        it before submitting the rest of this period leaves as a blocked rank would.
+        """
         found = self.index.get(request.name)
-        return found is not None and found[0] >= self.position and found[1] == request
+        return found is not None and found[1] == request
 
 
 @dataclass

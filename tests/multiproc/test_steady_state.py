@@ -40,6 +40,12 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
 
     worst = 0.0
     results: dict[str, Any] = {}
+    if variant == "rotated":
+        # The second half of a step first: the repeating sequence, and so the schedule, then
+        # starts in the middle of a step.
+        for i in (3, 4, 5):
+            out = hvd.allreduce(grad(i, -1, rank, SIZES[i]), name=f"grad.{i}")
+            worst = max(worst, float((out - expected(i, -1, SIZES[i])).abs().max()))
     for step in range(steps):
         if variant == "dies" and step == 8 and rank == 1:
             os._exit(3)
@@ -48,12 +54,19 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
             metric = hvd.allreduce(torch.tensor([float(rank + step)]), name="metric")
             worst = max(worst, abs(float(metric) - (step + (size - 1) / 2)))
         order = list(range(len(SIZES)))
-        if variant == "reversed" and step % 3 == 1 and rank == 0:
+        # ("rotated": not before the schedule is there, at the middle of step 1)
+        reverse = rank == 0 and step % 3 == {"reversed": 1, "rotated": 2}.get(variant, -1)
+        if reverse:
             order.reverse()
         extra = variant.startswith("extra_op") and step == 6
         extra_first, extra_last = extra and rank == 0, extra and rank != 0
-        # Rank 1 waits for the first batch's results before it submits the rest.
-        wait_between = variant == "extra_op_wait" and rank == 1
+        # Rank 1 waits for the first batch's results before it submits the rest; in "rotated",
+        # each rank waits for each half of its step unless it submits it in reverse.
+        wait_after = None
+        if variant == "extra_op_wait" and rank == 1:
+            wait_after = 1
+        elif variant == "rotated" and not reverse:
+            wait_after = 2
         handles = []
         early: dict[Any, Any] = {}
         if extra_first:
@@ -64,7 +77,7 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
                 numel += 1
             tensor = grad(i, step, rank, numel)
             handles.append((i, hvd.allreduce_async_(tensor, name=f"grad.{i}")))
-            if wait_between and i == 1:
+            if i == wait_after:
                 early = {h: hvd.synchronize(h) for _, h in handles}
         if extra_last:
             handles.append(("x", hvd.allreduce_async(torch.ones(3), name="extra", op=hvd.Sum)))
@@ -137,6 +150,19 @@ def test_a_rank_submitting_in_another_order_stays_in_the_steady_state() -> None:
     for result in run_job(_steady_worker, 2, "reversed", STEPS):
         assert result["worst"] == 0.0
         assert result["stats"]["left"] == 0, result["stats"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_schedule_starting_mid_step_accepts_the_next_steps_tensors_early(np: int) -> None:
+    # The schedule starts at the second half of a step; rank 0 submitting a whole step in
+    # reverse hands in that half before the first: the tensors wait for their batch.
+    for result in run_job(_steady_worker, np, "rotated", STEPS):
+        assert "errors" not in result, result
+        assert result["worst"] == 0.0
+        stats = result["stats"]
+        assert stats["entered"] == 1 and stats["left"] == 0, stats
+        assert stats["batches"] >= (STEPS - 4) * 2, stats
 
 
 @pytest.mark.timeout(120)
