@@ -234,6 +234,17 @@ class Engine:
             settings.stall_shutdown_time_s,
             settings.stall_check_enabled and topology.rank == 0,
         )
+        # In the steady state a rank starts a batch as soon as its own tensors are there and
+        # waits inside the allreduce for ranks still busy elsewhere (evaluating, writing a
+        # checkpoint). As a wait in negotiation, that is no failure, however long: the batches
+        # get their own timeout, HORA_STALL_SHUTDOWN_TIME_SECONDS when set (the job then ends
+        # as a stalled one would), else days. Dead peers are still noticed at once (a closed
+        # connection, the launcher's record of the exit).
+        shutdown_s = settings.stall_shutdown_time_s
+        if not settings.stall_check_enabled or shutdown_s < settings.stall_check_time_s:
+            shutdown_s = 0.0
+        self._steady_shutdown_s = shutdown_s
+        self._steady_timeout_s = shutdown_s if shutdown_s > 0 else PARKED_WAIT_S
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._queue: deque[Entry] = deque()
@@ -715,7 +726,9 @@ class Engine:
             schedule.advance()
         flight.issued = timeline.now() if timeline is not None else 0
         try:
-            flight.pending = self._communicators[0].allreduce_async(buffer, ReduceOp.SUM)
+            flight.pending = self._communicators[0].allreduce_async(
+                buffer, ReduceOp.SUM, self._steady_timeout_s
+            )
         except TransportError:
             self._hand_back(entries)
             raise
@@ -742,9 +755,9 @@ class Engine:
         assert flight.pending is not None
         try:
             flight.pending.wait()
-        except TransportError:
+        except TransportError as exc:
             self._hand_back(flight.entries + (following.entries if following else []))
-            raise
+            raise self._steady_error(flight, exc) from exc
         timeline = self.timeline
         done = timeline.now() if timeline is not None else 0
         buffer, sizes = flight.buffer, flight.sizes
@@ -785,6 +798,18 @@ class Engine:
             self._period_finished(schedule)
         self._last_cycle_end = time.monotonic()
 
+    def _steady_error(self, flight: _Flight, exc: TransportError) -> TransportError:
+        """Name the batch and the limit when a steady-state batch waited past its timeout."""
+        if self._steady_shutdown_s <= 0 or "timed out" not in str(exc).lower():
+            return exc
+        names = [r.name for r in flight.schedule.batches[flight.position]]
+        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        return TransportError(
+            f"some ranks did not submit {shown} within HORA_STALL_SHUTDOWN_TIME_SECONDS "
+            f"({self._steady_shutdown_s:g} s) while rank {self.rank} waited for them; the job "
+            f"is shut down as stalled ({exc})"
+        )
+
     def _abort_following(self, schedule: steady.Schedule, following: _Flight | None) -> None:
         """A landed batch deviated: finish the batch after it, so every rank ran the same ones.
 
@@ -802,7 +827,8 @@ class Engine:
                 schedule.in_flight.discard(following.position)
         elif self._may_overlap(schedule):
             empty = torch.zeros_like(schedule.buffers[schedule.position])
-            self._communicators[0].allreduce_async(empty, ReduceOp.SUM).wait()
+            comm = self._communicators[0]
+            comm.allreduce_async(empty, ReduceOp.SUM, self._steady_timeout_s).wait()
 
     def _collect_batch(
         self, schedule: steady.Schedule, flight: _Flight | None
@@ -859,10 +885,11 @@ class Engine:
                     warned = True
                     missing = [n for n in needed if n not in self._held]
                     logger.warning(
-                        "rank %d has waited %.0f s to submit %s; the other ranks wait for it.",
+                        "rank %d has not submitted %s for %.0f s; any rank that has submitted "
+                        "them waits for this one.",
                         self.rank,
-                        now - started,
                         ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
+                        now - started,
                     )
                 self._wakeup.wait(timeout=timeout)
 
@@ -1292,6 +1319,10 @@ class Engine:
                 if not silent or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
+            # Aborted because another rank reported a failure first: its report says why.
+            report = ""
+            if self._failure_seen() and store.check(FAILURE_KEY):
+                report = store.store.get(store.key(FAILURE_KEY)).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store itself may be gone
             return (
                 f"rank {self.rank}: a collective failed ({error}) and the job's rendezvous store "
@@ -1303,6 +1334,8 @@ class Engine:
                 f"responding (the process exited, was killed, or its host is unreachable). "
                 f"Rank {self.rank} saw: {error}"
             )
+        if report and not report.startswith(f"rank {self.rank}: "):
+            return f"rank {self.rank} stopped after a failure on another rank: {report}"
         return f"rank {self.rank}: a collective failed while every rank is still alive: {error}"
 
 

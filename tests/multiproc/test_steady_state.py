@@ -49,6 +49,12 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
     for step in range(steps):
         if variant == "dies" and step == 8 and rank == 1:
             os._exit(3)
+        if variant == "pause" and step == 8 and rank == 0:
+            # Rank 0 is busy elsewhere (evaluating, writing a checkpoint) while the others have
+            # started the next step's allreduces: longer than HORA_GLOO_TIMEOUT_SECONDS.
+            import time
+
+            time.sleep(4)
         if variant == "metric_first":
             # A synchronous op before the gradients: the user waits on it every step.
             metric = hvd.allreduce(torch.tensor([float(rank + step)]), name="metric")
@@ -111,6 +117,37 @@ def test_a_repeating_loop_runs_in_the_steady_state(np: int) -> None:
         assert stats["entered"] == 1 and stats["left"] == 0, stats
         # Two steps are negotiated to learn the period; most of the rest are replayed.
         assert stats["batches"] >= (STEPS - 4) * 2, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_rank_busy_elsewhere_longer_than_the_gloo_timeout_is_waited_for(np: int) -> None:
+    # In the steady state the other ranks wait inside the batch's allreduce; like a wait in
+    # negotiation, that is not a failure however long it lasts.
+    env = {"HORA_GLOO_TIMEOUT_SECONDS": "2"}
+    for result in run_job(_steady_worker, np, "pause", STEPS, env=env):
+        assert "errors" not in result, result
+        assert result["worst"] == 0.0
+        assert result["stats"]["left"] == 0, result["stats"]
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_in_the_steady_state_ends_the_job_after_the_stall_shutdown_time() -> None:
+    env = {
+        "HORA_GLOO_TIMEOUT_SECONDS": "30",
+        "HORA_STALL_CHECK_TIME_SECONDS": "1",
+        "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2",
+    }
+    # Rank 0 does not submit for 4 s; rank 1 waits inside the steady-state allreduce.
+    error = run_failing_job(_steady_worker, 2, "pause", STEPS, env=env)
+    waiting = error.results[1]["errors"]
+    assert waiting[0].startswith("step 8: rank 1:"), waiting
+    assert "HORA_STALL_SHUTDOWN_TIME_SECONDS (2 s)" in waiting[0], waiting
+    assert "allreduce.grad.0" in waiting[0], waiting
+    # Rank 0 is told why the job stopped, not only that its communicator went away.
+    stalled = error.errors[0]
+    assert "rank 0 stopped after a failure on another rank: rank 1:" in stalled, stalled
+    assert "HORA_STALL_SHUTDOWN_TIME_SECONDS" in stalled, stalled
 
 
 @pytest.mark.timeout(120)

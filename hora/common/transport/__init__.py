@@ -39,11 +39,12 @@ class Communicator(Protocol):
     def allreduce(self, buffer: Any, op: ReduceOp) -> None:
         """Reduce ``buffer`` element-wise across members, in place (Sum, Min, Max or Product)."""
 
-    def allreduce_async(self, buffer: Any, op: ReduceOp) -> Pending:
+    def allreduce_async(self, buffer: Any, op: ReduceOp, timeout_s: float | None = None) -> Pending:
         """Start :meth:`allreduce` and return at once; ``buffer`` is not touched after ``wait``.
 
         Operations started on one communicator are matched across members in the order they
-        were started, so every member must start the same sequence.
+        were started, so every member must start the same sequence. ``timeout_s`` replaces the
+        communicator's timeout for this operation (how long it may wait for its peers).
         """
 
     def allgather(self, outputs: Sequence[Any], buffer: Any) -> None:

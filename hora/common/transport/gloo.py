@@ -93,11 +93,15 @@ class GlooCommunicator:
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp) -> None:
         self.allreduce_async(buffer, op).wait()
 
-    def allreduce_async(self, buffer: torch.Tensor, op: ReduceOp) -> _GlooPending:
+    def allreduce_async(
+        self, buffer: torch.Tensor, op: ReduceOp, timeout_s: float | None = None
+    ) -> _GlooPending:
         if self._aborted:
             raise TransportError("the communicator was aborted")
         options = dist.AllreduceOptions()
         options.reduceOp = _REDUCE_OPS[op]
+        if timeout_s is not None:
+            options.timeout = timedelta(seconds=timeout_s)
         try:
             return _GlooPending(self._pg.allreduce([buffer], options))
         except RuntimeError as exc:
