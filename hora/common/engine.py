@@ -65,6 +65,9 @@ MAX_STARTED = 16
 STEADY_BLOCKED_GRACE_S = 0.02
 # A parked rank waits on its doorbell this long at most (a ring always comes first).
 PARKED_WAIT_S = 7 * 24 * 3600.0
+# In the steady state, how often a rank that has not submitted a batch for the stall check time
+# asks the store whether another rank waits for it.
+STALL_PROBE_S = 2.0
 # How long a survivor waits for the launcher's (or other survivors') account of a failure.
 DIAGNOSE_WINDOW_S = 2.0
 
@@ -90,6 +93,8 @@ class _Flight:
     pending: Pending | None = None
     # Set by the transport's completion callback, under the engine's lock.
     done: bool = False
+    # The number of this steady-state collective, the same on every rank (see _steady_started).
+    steady_id: int = 0
 
 
 class Handle:
@@ -288,6 +293,9 @@ class Engine:
         )
         self._period_started = 0.0
         self._batch_number = 0
+        # Steady-state data allreduces issued so far: every rank issues the same ones, so the
+        # count names a batch across ranks (for stall reports).
+        self._steady_started = 0
         self._agreed_at = 0
         self._blocked: dict[Handle, float] = {}
         self._control = self._connect("control", 0, self.rank, self.size)
@@ -719,6 +727,8 @@ class Engine:
         codes[self.rank] = code
         flight = _Flight(schedule, position, entries, buffer, sizes, code, deviation)
         flight.number, flight.started = self._batch_number, started
+        self._steady_started += 1
+        flight.steady_id = self._steady_started
         with self._wakeup:
             # From here the buffer is the transport's: tensors submitted meanwhile for this
             # batch (the next period's) are copied when it starts again.
@@ -753,6 +763,7 @@ class Engine:
         """Wait for ``flight``; deliver its results or, if some rank deviated, leave."""
         schedule = flight.schedule
         assert flight.pending is not None
+        self._wait_for_peers(flight)
         try:
             flight.pending.wait()
         except TransportError as exc:
@@ -798,12 +809,53 @@ class Engine:
             self._period_finished(schedule)
         self._last_cycle_end = time.monotonic()
 
+    def _waiting_key(self, steady_id: int) -> str:
+        return f"g{self._generation}/steady_wait/{steady_id}"
+
+    def _wait_for_peers(self, flight: _Flight) -> None:
+        """Wait for ``flight``; past the stall check time, record that this rank waits for it.
+
+        Only a rank that waits inside the batch's allreduce knows that another rank is late;
+        the late rank reads the record before it warns (see ``_wait_for_batch``), so that a
+        pause on every rank at once, such as an evaluation, is no stall.
+        """
+        stall_after = self.settings.stall_check_time_s if self.settings.stall_check_enabled else 0
+        if not stall_after:
+            return
+        with self._wakeup:
+            deadline = time.monotonic() + stall_after
+            while not flight.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wakeup.wait(timeout=left)
+            if flight.done:
+                return
+        names = _names(flight.schedule.batches[flight.position])
+        try:
+            self._store.set_signed(self._waiting_key(flight.steady_id), str(self.rank).encode())
+        except Exception as exc:  # noqa: BLE001 - a lost store fails the batch on its own
+            logger.debug("rank %d could not record its wait: %s", self.rank, exc)
+        if self.rank == 0:
+            logger.warning(
+                "rank 0 has waited %.0f s for other ranks to submit %s (steady state); the ranks "
+                "that keep it waiting log which tensors they have not submitted.",
+                stall_after,
+                names,
+            )
+
+    def _peers_wait(self) -> bool:
+        """Whether another rank has recorded that it waits for the batch this rank collects."""
+        try:
+            return bool(self._store.check(self._waiting_key(self._steady_started + 1)))
+        except Exception:  # noqa: BLE001 - a lost store fails the job elsewhere
+            return False
+
     def _steady_error(self, flight: _Flight, exc: TransportError) -> TransportError:
         """Name the batch and the limit when a steady-state batch waited past its timeout."""
         if self._steady_shutdown_s <= 0 or "timed out" not in str(exc).lower():
             return exc
-        names = [r.name for r in flight.schedule.batches[flight.position]]
-        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        shown = _names(flight.schedule.batches[flight.position])
         return TransportError(
             f"some ranks did not submit {shown} within HORA_STALL_SHUTDOWN_TIME_SECONDS "
             f"({self._steady_shutdown_s:g} s) while rank {self.rank} waited for them; the job "
@@ -826,6 +878,7 @@ class Engine:
             with self._wakeup:
                 schedule.in_flight.discard(following.position)
         elif self._may_overlap(schedule):
+            self._steady_started += 1
             empty = torch.zeros_like(schedule.buffers[schedule.position])
             comm = self._communicators[0]
             comm.allreduce_async(empty, ReduceOp.SUM, self._steady_timeout_s).wait()
@@ -843,6 +896,7 @@ class Engine:
         stall_after = self.settings.stall_check_time_s if self.settings.stall_check_enabled else 0
         started = time.monotonic()
         warned = False
+        probe = 0.0
         with self._wakeup:
             self._awaiting = set(needed)
             while True:
@@ -881,16 +935,20 @@ class Engine:
                             first
                         ), f"a result is awaited before {needed[first]}"
                     timeout = min(timeout, grace - waited)
-                if stall_after and not warned and now - started > stall_after:
-                    warned = True
-                    missing = [n for n in needed if n not in self._held]
-                    logger.warning(
-                        "rank %d has not submitted %s for %.0f s; any rank that has submitted "
-                        "them waits for this one.",
-                        self.rank,
-                        ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
-                        now - started,
-                    )
+                if stall_after and not warned and now - started > stall_after and now >= probe:
+                    # Some rank waits for this one (it recorded so), or every rank is busy
+                    # elsewhere at once, which is no stall: ask the store now and then.
+                    probe = now + STALL_PROBE_S
+                    if self._peers_wait():
+                        warned = True
+                        missing = [n for n in needed if n not in self._held]
+                        logger.warning(
+                            "rank %d has not submitted %s for %.0f s while other ranks wait for "
+                            "them (steady state).",
+                            self.rank,
+                            ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
+                            now - started,
+                        )
                 self._wakeup.wait(timeout=timeout)
 
     def _leave_steady_state(
@@ -1397,6 +1455,12 @@ def _finish(entry: Entry, result: Any) -> None:
     if entry.on_done is not None:
         result = entry.on_done(result)
     entry.handle._set(entry.index, result)
+
+
+def _names(batch: Sequence[Request]) -> str:
+    """A batch's tensor names for a message (the first five)."""
+    names = [r.name for r in batch]
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -22,6 +22,8 @@ STEPS = 14
 def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
     import os
 
+    results: dict[str, Any] = {}
+
     import torch
 
     import hora.torch as hvd
@@ -29,6 +31,14 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                results.setdefault("warnings", []).append(record.getMessage())
+
+    logging.getLogger("hora").addHandler(Collect())
 
     def grad(i: int, step: int, who: int, numel: int) -> torch.Tensor:
         return (torch.arange(numel) % 7 + who + step + i).float()
@@ -39,7 +49,6 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
         return total / size
 
     worst = 0.0
-    results: dict[str, Any] = {}
     if variant == "rotated":
         # The second half of a step first: the repeating sequence, and so the schedule, then
         # starts in the middle of a step.
@@ -49,9 +58,10 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
     for step in range(steps):
         if variant == "dies" and step == 8 and rank == 1:
             os._exit(3)
-        if variant == "pause" and step == 8 and rank == 0:
-            # Rank 0 is busy elsewhere (evaluating, writing a checkpoint) while the others have
-            # started the next step's allreduces: longer than HORA_GLOO_TIMEOUT_SECONDS.
+        if (variant == "pause" and rank == 0 or variant == "all_pause") and step == 8:
+            # "pause": rank 0 is busy elsewhere (writing a checkpoint) while the others have
+            # started the next step's allreduces, for longer than HORA_GLOO_TIMEOUT_SECONDS.
+            # "all_pause": every rank is (an evaluation), which is no stall.
             import time
 
             time.sleep(4)
@@ -124,11 +134,29 @@ def test_a_repeating_loop_runs_in_the_steady_state(np: int) -> None:
 def test_a_rank_busy_elsewhere_longer_than_the_gloo_timeout_is_waited_for(np: int) -> None:
     # In the steady state the other ranks wait inside the batch's allreduce; like a wait in
     # negotiation, that is not a failure however long it lasts.
-    env = {"HORA_GLOO_TIMEOUT_SECONDS": "2"}
-    for result in run_job(_steady_worker, np, "pause", STEPS, env=env):
+    env = {"HORA_GLOO_TIMEOUT_SECONDS": "2", "HORA_STALL_CHECK_TIME_SECONDS": "1"}
+    results = run_job(_steady_worker, np, "pause", STEPS, env=env)
+    for result in results:
         assert "errors" not in result, result
         assert result["worst"] == 0.0
         assert result["stats"]["left"] == 0, result["stats"]
+    # The stall is reported by the rank that keeps the others waiting, naming its tensors.
+    warnings = results[0].get("warnings", [])
+    assert any(
+        w.startswith("rank 0 has not submitted allreduce.grad.0") and "other ranks wait" in w
+        for w in warnings
+    ), warnings
+    for rank in range(1, np):
+        assert "warnings" not in results[rank], results[rank]
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_busy_elsewhere_at_once_is_no_stall() -> None:
+    env = {"HORA_GLOO_TIMEOUT_SECONDS": "2", "HORA_STALL_CHECK_TIME_SECONDS": "1"}
+    for result in run_job(_steady_worker, 2, "all_pause", STEPS, env=env):
+        assert "errors" not in result, result
+        assert result["stats"]["left"] == 0, result["stats"]
+        assert "warnings" not in result, result["warnings"]
 
 
 @pytest.mark.timeout(120)
