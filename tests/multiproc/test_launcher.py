@@ -82,6 +82,42 @@ def test_failed_rank_is_reported_and_others_are_stopped(tmp_path: Path) -> None:
         assert f"[{survivor}]<stderr>:survivor saw: rank 1 is exiting" in result.stderr
 
 
+@pytest.mark.timeout(120)
+def test_an_uncaught_exception_in_the_steady_state_is_named_to_the_others(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        import torch
+        import hora.torch as hvd
+        from hora.common import basics
+        hvd.init()
+        grads = [torch.ones(n) for n in (1000, 300_000, 10)]
+        try:
+            for step in range(40):
+                if hvd.rank() == 1 and step == 12:
+                    entered = basics._state.engine.steady_stats["entered"]
+                    print(f"rank 1 in the steady state: {entered == 1}", file=sys.stderr)
+                    raise ValueError(f"corrupt batch at step {step}")
+                handles = [
+                    hvd.allreduce_async_(g, name=f"grad.{i}") for i, g in enumerate(grads)
+                ]
+                for handle in handles:
+                    hvd.synchronize(handle)
+        except hvd.HorovodInternalError as exc:
+            print(f"survivor saw: {exc}", file=sys.stderr)
+            sys.exit(1)
+        """,
+    )
+    result = _run([*HORARUN, "-np", "3", sys.executable, script])
+    assert result.returncode == 1
+    assert "[1]<stderr>:rank 1 in the steady state: True" in result.stderr
+    assert "ValueError: corrupt batch at step 12" in result.stderr
+    for survivor in (0, 2):
+        expected = "survivor saw: rank 1 is exiting after an uncaught ValueError: corrupt batch"
+        assert f"[{survivor}]<stderr>:{expected}" in result.stderr, result.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("args", "message"),
