@@ -15,6 +15,7 @@ namespaces not allowed here.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -29,6 +30,9 @@ import psutil
 import pytest
 
 NETNS_DIR = Path("/etc/netns")
+
+
+_CLUSTERS = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -55,7 +59,7 @@ def _remove_stale() -> None:
         if match and not psutil.pid_exists(int(match.group(2))):
             _delete_namespace(match.group(1))
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
-        match = re.search(r": (hbr(\d+))[:@]", line)
+        match = re.search(r": (hbr(\d+)(?:-\d+)?)[:@]", line)
         if match and not psutil.pid_exists(int(match.group(2))):
             _ip("link", "del", match.group(1), check=False)
 
@@ -123,7 +127,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(reason)
     _remove_stale()
     pid = os.getpid()
-    bridge = f"hbr{pid}"
+    # Names carry the pid and a count of clusters made by this process: the kernel removes a
+    # deleted namespace's interfaces in the background, so the next module's cluster must not
+    # reuse the previous one's names.
+    number = next(_CLUSTERS)
+    bridge = f"hbr{pid}-{number}"
     probe = _ip("netns", "add", f"hora-{pid}-probe", check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot create network namespaces here: {probe.stderr.strip()}")
@@ -164,7 +172,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _ip("link", "set", bridge, "up")
         names = "".join(f"{a} host-{c}\n" for a, c in zip(cluster.hosts, "ab"))
         for letter, address in zip("ab", cluster.hosts):
-            namespace = f"hora-{pid}-{letter}"
+            namespace = f"hora-{pid}-{number}{letter}"
             cluster.namespaces.append(namespace)
             # `ip netns exec` mounts these over /etc/hosts and /etc/resolv.conf in the
             # namespace: names resolve from the file, and no DNS query waits for a timeout.
@@ -174,7 +182,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             )
             (NETNS_DIR / namespace / "resolv.conf").write_text("")
             _ip("netns", "add", namespace)
-            veth = f"hv{pid}{letter}"
+            veth = f"hv{pid}{letter}{number}"
             _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
             _ip("link", "set", veth, "master", bridge, "up")
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
