@@ -1205,10 +1205,13 @@ class Engine:
 
         def complete() -> None:
             done = timeline.now() if timeline is not None else 0
-            result = _scale(work, postscale)
-            if result is not flat:
-                flat.copy_(result)
-            _copy_out(entries, flat, [t.numel() for t in inputs])
+            # On the finisher thread: a single tensor is reduced in its own storage, which
+            # may be an inference tensor (as when _allreduce scaled it before the wire).
+            with _writing_to_inference(entries):
+                result = _scale(work, postscale)
+                if result is not flat:
+                    flat.copy_(result)
+                _copy_out_pieces(entries, flat, [t.numel() for t in inputs])
             if timeline is not None:
                 times = (started, issued, done, timeline.now())
                 nbytes = flat.numel() * flat.itemsize

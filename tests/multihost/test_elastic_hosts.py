@@ -21,8 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +28,12 @@ import pytest
 
 from tests.multihost.conftest import Cluster
 from tests.multiproc import elastic_train
-from tests.multiproc.test_elastic import _check_history
+from tests.multiproc.test_elastic import _check_history, _discovery, _rewrite_when
 from tests.processes import job_processes, kill_all, survivors
 
 ROOT = Path(__file__).resolve().parents[2]
 HORARUN = [sys.executable, "-m", "hora.runner.launch"]
 WORKER = str(Path(elastic_train.__file__))
-
-
-def _discovery(tmp_path: Path, lines: list[str]) -> tuple[Path, Path]:
-    """A discovery script printing the lines of a hosts file the test may rewrite."""
-    listing = tmp_path / "hosts.txt"
-    listing.write_text("".join(f"{line}\n" for line in lines))
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listing}\n")
-    script.chmod(0o755)
-    return script, listing
 
 
 def _start(
@@ -143,22 +131,10 @@ def test_a_host_added_to_discovery_mid_run_joins_the_job(cluster: Cluster, tmp_p
     script, listing = _discovery(tmp_path, [f"{a}:2"])
     mark = tmp_path / "epoch0.done"
     env = {"ELASTIC_MARK": str(mark), "ELASTIC_STEP_DELAY": "0.1"}
-    added = threading.Event()
-
-    def add_host() -> None:
-        deadline = time.monotonic() + 40
-        while not mark.exists():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        listing.write_text(f"{a}:2\n{b}:1\n")
-        added.set()
-
     try:
         flags = ["-np", "2", "--min-np", "2", "--max-np", "3"]
         job = _start(cluster, tmp_path, script, flags, env)
-        adder = threading.Thread(target=add_host, daemon=True)
-        adder.start()
+        adder, added = _rewrite_when(mark, listing, f"{a}:2\n{b}:1\n", 40)
         code, out, err = _finish(job, tmp_path, timeout=75)
         adder.join(timeout=5)
         shown = _shown(code, out, err)
@@ -203,19 +179,10 @@ def test_a_joining_host_that_fails_to_connect_is_blacklisted_and_the_job_goes_on
         "ELASTIC_STEP_DELAY": "0.1",
         "HORA_GLOO_TIMEOUT_SECONDS": "5",
     }
-
-    def add_host() -> None:
-        deadline = time.monotonic() + 40
-        while not mark.exists():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        listing.write_text(f"{a}:1\n{b}:1\n")
-
     try:
         flags = ["-np", "1", "--min-np", "1", "--max-np", "2"]
         job = _start(cluster, tmp_path, script, flags, env, command=[str(wrapper)])
-        threading.Thread(target=add_host, daemon=True).start()
+        _rewrite_when(mark, listing, f"{a}:1\n{b}:1\n", 40)
         code, out, err = _finish(job, tmp_path, timeout=75)
         shown = _shown(code, out, err)
         assert f"blacklisted host {b} for good: its worker {b}:0 exited with code 1" in err, shown

@@ -37,6 +37,28 @@ def _discovery(tmp_path: Path, hosts: list[str]) -> tuple[Path, Path]:
     return script, listing
 
 
+def _rewrite_when(
+    mark: Path, listing: Path, text: str, timeout_s: float
+) -> tuple[threading.Thread, threading.Event]:
+    """Start a thread that rewrites the discovery ``listing`` with ``text`` once ``mark`` exists
+    (the workers create it when epoch 0 ends); the event is set once it has, within
+    ``timeout_s``."""
+    done = threading.Event()
+
+    def rewrite() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not mark.exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        listing.write_text(text)
+        done.set()
+
+    thread = threading.Thread(target=rewrite, daemon=True)
+    thread.start()
+    return thread, done
+
+
 def _start(
     tmp_path: Path, script: Path, flags: list[str], env: dict[str, str]
 ) -> subprocess.Popen[str]:
@@ -97,15 +119,7 @@ def test_a_host_added_mid_run_grows_the_world(tmp_path: Path) -> None:
     mark = tmp_path / "epoch0.done"
     env = {"ELASTIC_MARK": str(mark), "ELASTIC_STEP_DELAY": "0.05"}
     job = _start(tmp_path, script, ["-np", "2", "--min-np", "2", "--max-np", "3"], env)
-
-    def add_host() -> None:
-        deadline = time.monotonic() + 120
-        while not mark.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        listing.write_text("127.0.0.1\n127.0.0.2\n127.0.0.3\n")
-
-    adder = threading.Thread(target=add_host, daemon=True)
-    adder.start()
+    adder, _ = _rewrite_when(mark, listing, "127.0.0.1\n127.0.0.2\n127.0.0.3\n", 120)
     code, out, err = _finish(job)
     adder.join(timeout=5)
     assert code == 0, err[-3000:]

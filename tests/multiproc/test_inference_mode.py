@@ -20,6 +20,10 @@ def _inference_worker() -> dict[str, Any]:
     with torch.inference_mode():
         x = torch.ones(4) * (hvd.rank() + 1)
         out["allreduce"] = hvd.allreduce(x, op=hvd.Sum, name="made.inside").tolist()
+        # Average scales the result on the engine's side, in the result's own storage.
+        out["average"] = hvd.allreduce(x, name="average.inside").tolist()
+        out["allgather"] = hvd.allgather(x[:1].unsqueeze(0), name="gathered").flatten().tolist()
+        out["object"] = hvd.broadcast_object({"root": x[:1]}, root_rank=0)["root"].tolist()
         y = torch.ones(3)
         hvd.allreduce_(y, op=hvd.Sum, name="in.place.inside")
         out["in_place"] = y.tolist()
@@ -38,6 +42,9 @@ def test_inference_tensors_are_reduced(np: int) -> None:
     for result in run_job(_inference_worker, np):
         assert result == {
             "allreduce": [float(total)] * 4,
+            "average": [total / np] * 4,
+            "allgather": [float(r + 1) for r in range(np)],
+            "object": [1.0],
             "in_place": [float(np)] * 3,
             "outside": [float(np)] * 2,
         }
