@@ -44,6 +44,7 @@ from hora.common.rendezvous import (
     PARKED_KEY,
     StoreClient,
     exit_key,
+    read_failure,
     report_failure,
     sign,
 )
@@ -249,6 +250,8 @@ class Engine:
         if not settings.stall_check_enabled or shutdown_s < settings.stall_check_time_s:
             shutdown_s = 0.0
         self._steady_shutdown_s = shutdown_s
+        # How long a steady-state wait lasts before it counts as a stall (0: never).
+        self._stall_after_s = settings.stall_check_time_s if settings.stall_check_enabled else 0.0
         self._steady_timeout_s = shutdown_s if shutdown_s > 0 else PARKED_WAIT_S
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -819,7 +822,7 @@ class Engine:
         the late rank reads the record before it warns (see ``_wait_for_batch``), so that a
         pause on every rank at once, such as an evaluation, is no stall.
         """
-        stall_after = self.settings.stall_check_time_s if self.settings.stall_check_enabled else 0
+        stall_after = self._stall_after_s
         if not stall_after:
             return
         with self._wakeup:
@@ -831,7 +834,7 @@ class Engine:
                 self._wakeup.wait(timeout=left)
             if flight.done:
                 return
-        names = _names(flight.schedule.batches[flight.position])
+        names = _names([r.name for r in flight.schedule.batches[flight.position]])
         try:
             self._store.set_signed(self._waiting_key(flight.steady_id), str(self.rank).encode())
         except Exception as exc:  # noqa: BLE001 - a lost store fails the batch on its own
@@ -855,7 +858,7 @@ class Engine:
         """Name the batch and the limit when a steady-state batch waited past its timeout."""
         if self._steady_shutdown_s <= 0 or "timed out" not in str(exc).lower():
             return exc
-        shown = _names(flight.schedule.batches[flight.position])
+        shown = _names([r.name for r in flight.schedule.batches[flight.position]])
         return TransportError(
             f"some ranks did not submit {shown} within HORA_STALL_SHUTDOWN_TIME_SECONDS "
             f"({self._steady_shutdown_s:g} s) while rank {self.rank} waited for them; the job "
@@ -893,7 +896,7 @@ class Engine:
             when the batch in ``flight`` came back first.
         """
         needed = [r.name for r in schedule.current]
-        stall_after = self.settings.stall_check_time_s if self.settings.stall_check_enabled else 0
+        stall_after = self._stall_after_s
         started = time.monotonic()
         warned = False
         probe = 0.0
@@ -941,12 +944,11 @@ class Engine:
                     probe = now + STALL_PROBE_S
                     if self._peers_wait():
                         warned = True
-                        missing = [n for n in needed if n not in self._held]
                         logger.warning(
                             "rank %d has not submitted %s for %.0f s while other ranks wait for "
                             "them (steady state).",
                             self.rank,
-                            ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""),
+                            _names([n for n in needed if n not in self._held]),
                             now - started,
                         )
                 self._wakeup.wait(timeout=timeout)
@@ -1381,9 +1383,7 @@ class Engine:
                     break
                 time.sleep(0.1)
             # Aborted because another rank reported a failure first: its report says why.
-            report = ""
-            if self._failure_seen() and store.check(FAILURE_KEY):
-                report = store.store.get(store.key(FAILURE_KEY)).decode(errors="replace")
+            report = read_failure(store) if self._failure_seen() else ""
         except Exception as exc:  # noqa: BLE001 - the store itself may be gone
             return (
                 f"rank {self.rank}: a collective failed ({error}) and the job's rendezvous store "
@@ -1460,9 +1460,8 @@ def _finish(entry: Entry, result: Any) -> None:
     entry.handle._set(entry.index, result)
 
 
-def _names(batch: Sequence[Request]) -> str:
-    """A batch's tensor names for a message (the first five)."""
-    names = [r.name for r in batch]
+def _names(names: Sequence[str]) -> str:
+    """Tensor names for a message (the first five)."""
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 

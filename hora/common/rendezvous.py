@@ -250,6 +250,13 @@ class StoreClient:
             pass
 
 
+def read_failure(store: StoreClient) -> str:
+    """The job's first failure report (see :func:`report_failure`), or ``""``."""
+    if not store.check(FAILURE_KEY):
+        return ""
+    return bytes(store.store.get(store.key(FAILURE_KEY))).decode(errors="replace")
+
+
 def report_failure(store: StoreClient, text: str) -> None:
     """Mark the job failed (first report wins) and wake ranks parked on their doorbell."""
     try:

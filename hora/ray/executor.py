@@ -350,7 +350,7 @@ class RayExecutor:
             ray.init()
         try:
             workers = self.workers = self._place_workers()
-            infos = ray.get([w.call.remote(_worker.describe) for w in workers])
+            infos = _ActorGroup(workers).call_all(_worker.describe)
             order = self._rank_order(infos)
             self.workers = [workers[i] for i in order]
             infos = [infos[i] for i in order]
