@@ -37,6 +37,7 @@ forward, backward and ``step()``; ``--json PATH`` also writes every sample there
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import os
@@ -74,6 +75,13 @@ BLOCK_ORDER = ("single", "hora", "ddp")
 
 # torch.distributed's stubs omit the stores (as in hora.common.transport.gloo).
 dist: Any = _dist
+# DDP's switch for its buffer broadcast before each forward: ``forward_sync_buffers`` in newer
+# PyTorch releases, ``broadcast_buffers`` before them.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 # One training step; returns (forward, backward, optimizer step) seconds on this rank.
 Step = Callable[[], tuple[float, float, float]]
@@ -313,7 +321,7 @@ def build_modes(
 
     single_step = make_step(single_model, sgd(single_model), inputs, labels) if rank == 0 else None
     # Buffers (BatchNorm statistics) stay rank-local after the initial sync, as with hora.
-    ddp_model = DistributedDataParallel(ddp_module, forward_sync_buffers=False)
+    ddp_model = DistributedDataParallel(ddp_module, **NO_BUFFER_SYNC)
     optimizer = hvd.DistributedOptimizer(
         sgd(hora_model),
         named_parameters=hora_model.named_parameters(),

@@ -11,6 +11,8 @@ downloaded. The script shows each step of Horovod's recipe: the learning rate sc
 number of workers with a warmup, gradients averaged by ``hvd.DistributedOptimizer``, every rank
 starting from rank 0's weights, the training set sharded with a ``DistributedSampler``, metrics
 averaged with ``hvd.allreduce``, and a checkpoint written by rank 0 only and broadcast on resume.
+
+With GPUs it trains on them, one per worker (``--no-cuda`` keeps it on the CPU).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp16-allreduce", action="store_true", help="send gradients as float16 (fp16 compression)"
     )
     parser.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    parser.add_argument(
+        "--no-cuda", action="store_true", help="train on the CPU even when a GPU is visible"
+    )
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
@@ -147,6 +152,18 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Any, epoch: int) -> 
     os.replace(tmp, path)
 
 
+def pick_device(args: argparse.Namespace) -> torch.device:
+    """This worker's GPU (local rank ``i`` takes GPU ``i``), or the CPU.
+
+    A host with fewer GPUs than workers shares them round-robin; that is slower than one GPU
+    per worker, but runs.
+    """
+    if args.no_cuda or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def train_epoch(
     args: argparse.Namespace,
     model: nn.Module,
@@ -154,14 +171,16 @@ def train_epoch(
     loader: DataLoader,
     epoch: int,
     show_progress: bool,
+    device: torch.device,
 ) -> float:
     """One pass over this rank's shard; returns the mean training loss over every rank."""
     model.train()
-    total, batches = torch.zeros(()), len(loader)
+    total, batches = torch.zeros((), device=device), len(loader)
     bar = tqdm(
         loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not show_progress, leave=False
     )
     for batch, (images, labels) in enumerate(bar):
+        images, labels = images.to(device), labels.to(device)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, epoch, batch, batches)
         optimizer.zero_grad()
@@ -176,14 +195,15 @@ def train_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test_set: TensorDataset) -> float:
+def evaluate(model: nn.Module, test_set: TensorDataset, device: torch.device) -> float:
     """Accuracy over the whole test set: each rank scores every size-th image, then sums."""
     model.eval()
     shard = Subset(test_set, range(hvd.rank(), len(test_set), hvd.size()))
-    correct = torch.zeros((), dtype=torch.int64)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     for images, labels in DataLoader(shard, batch_size=256):
-        correct += (model(images).argmax(dim=1) == labels).sum()
-    counts = torch.stack([correct, torch.tensor(len(shard))])
+        predicted = model(images.to(device)).argmax(dim=1)
+        correct += (predicted == labels.to(device)).sum()
+    counts = torch.stack([correct, torch.tensor(len(shard), device=device)])
     correct, seen = hvd.allreduce(counts, op=hvd.Sum, name="test_counts").tolist()
     if seen != len(test_set):
         raise RuntimeError(f"evaluated {seen} test images, expected {len(test_set)}")
@@ -196,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     # Workers share the cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    device = pick_device(args)
 
     train_set, test_set = load_data(args.seed)
     sampler = DistributedSampler(
@@ -203,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    model = DigitsNet()
+    model = DigitsNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(
@@ -218,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     show_progress = hvd.rank() == 0 and not args.no_progress and sys.stderr.isatty()
     if hvd.rank() == 0:
         print(
-            f"training on {hvd.size()} worker(s): {len(train_set)} train / {len(test_set)} test "
+            f"training on {hvd.size()} worker(s) ({device.type}): {len(train_set)} train / {len(test_set)} test "
             f"images, epochs {start_epoch + 1} to {args.epochs}",
             flush=True,
         )
@@ -231,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     accuracy = math.nan
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        loss = train_epoch(args, model, optimizer, loader, epoch, show_progress)
-        accuracy = evaluate(model, test_set)
+        loss = train_epoch(args, model, optimizer, loader, epoch, show_progress, device)
+        accuracy = evaluate(model, test_set, device)
         if hvd.rank() == 0:
             print(
                 f"epoch {epoch + 1}/{args.epochs}: train loss {loss:.4f}, "
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.checkpoint:
                 save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
     if math.isnan(accuracy):  # resumed at or past --epochs: nothing was trained
-        accuracy = evaluate(model, test_set)
+        accuracy = evaluate(model, test_set, device)
     if hvd.rank() == 0:
         print(f"final test accuracy: {accuracy:.4f}", flush=True)
     hvd.shutdown()

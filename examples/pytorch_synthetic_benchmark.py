@@ -8,7 +8,8 @@ Run it on two workers::
 Each step is a full training step (forward, backward with gradients averaged across the workers
 by ``hvd.DistributedOptimizer``, optimizer update) on one batch of random data made once, so the
 figures measure compute and communication, not data loading. The models are small ones so that
-the benchmark runs on CPUs in seconds:
+the benchmark runs on CPUs in seconds. With GPUs visible it runs on them, one per worker, as
+Horovod's benchmark does (``--no-cuda`` keeps it on the CPU):
 
 - ``mlp``: three linear layers on 1,024 features;
 - ``resnet``: a ResNet of six basic blocks for 3x32x32 images (CIFAR-sized);

@@ -9,7 +9,8 @@ checkout). It knows nothing of scaling studies or timelines.
 Each step is a full training step (forward, backward with gradients averaged across the workers
 by ``hvd.DistributedOptimizer``, optimizer update) on one batch of random data made once, so the
 figures measure compute and communication, not data loading. The models are small ones so that
-the benchmark runs on CPUs in seconds:
+the benchmark runs on CPUs in seconds (on GPUs when they are visible: one per worker, as in
+Horovod's benchmark; ``--no-cuda`` keeps it on the CPU):
 
 - ``mlp``: three linear layers on 1,024 features;
 - ``resnet``: a ResNet of six basic blocks for 3x32x32 images (CIFAR-sized);
@@ -24,7 +25,7 @@ import json
 import os
 import socket
 import statistics
-import timeit
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-iters", type=int, default=10, help="timed iterations")
     parser.add_argument(
         "--fp16-allreduce", action="store_true", help="send gradients as float16 (fp16 compression)"
+    )
+    parser.add_argument(
+        "--no-cuda", action="store_true", help="run on the CPU even when a GPU is visible"
     )
     parser.add_argument(
         "--use-adasum", action="store_true", help="not supported by hora; the flag is refused"
@@ -200,6 +204,21 @@ def threads_per_worker() -> int:
     return max(1, (cores or 1) // int(hvd.local_size()))
 
 
+def pick_device(no_cuda: bool) -> torch.device:
+    """This worker's GPU (local rank ``i`` takes GPU ``i``, round-robin when a host has fewer
+    GPUs than workers), or the CPU."""
+    if no_cuda or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(int(hvd.local_rank()) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def log(text: str) -> None:
     if hvd.rank() == 0:
         print(text, flush=True)
@@ -219,9 +238,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     hvd.init()
     torch.set_num_threads(args.threads_per_worker or threads_per_worker())
     torch.manual_seed(0)
+    device = pick_device(args.no_cuda)
 
     model_class, make_batch, unit = MODELS[args.model]
-    model = model_class()
+    model = model_class().to(device)
     # Horovod's benchmark scales the learning rate by the number of workers, as training would.
     optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
@@ -232,8 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     # One batch, made once: the benchmark measures training steps, not data loading.
-    data = make_batch(args.batch_size)
-    target = torch.randint(0, NUM_CLASSES, (args.batch_size,))
+    data = make_batch(args.batch_size).to(device)
+    target = torch.randint(0, NUM_CLASSES, (args.batch_size,)).to(device)
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
@@ -241,20 +261,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         loss.backward()
         optimizer.step()
 
+    def timed_batches(count: int) -> float:
+        """Seconds for ``count`` steps, the GPU's queued work included."""
+        start = time.perf_counter()
+        for _ in range(count):
+            benchmark_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
     parameters = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({parameters / 1e6:.2f}M parameters)")
     log(f"Batch size: {args.batch_size}")
     log(f"Number of workers: {hvd.size()} ({torch.get_num_threads()} thread(s) each)")
+    log(f"Device of rank 0: {describe(device)}")
     log(f"Gradient compression: {'fp16' if args.fp16_allreduce else 'none'}")
 
     log("Running warmup...")
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    timed_batches(args.num_warmup_batches)
 
     log("Running benchmark...")
     seconds_per_iter = []
     rates = []
     for iteration in range(args.num_iters):
-        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        seconds = timed_batches(args.num_batches_per_iter)
         rate = args.batch_size * args.num_batches_per_iter / seconds
         log(f"Iter #{iteration}: {rate:.1f} {unit}/sec per worker")
         seconds_per_iter.append(seconds)
@@ -278,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "unit": unit,
                 "workers": hvd.size(),
                 "threads_per_worker": torch.get_num_threads(),
+                "device": device.type,
                 "host": socket.gethostname(),
                 "batch_size": args.batch_size,
                 "num_warmup_batches": args.num_warmup_batches,

@@ -158,6 +158,8 @@ def _submit(
     entries = []
     for index, (tensor, output) in enumerate(zip(tensors, outputs)):
         dtype = _check_tensor(tensor, kind)
+        if tensor.is_cuda:
+            _engine_stream_waits_for_caller(tensor.device)
         full = f"{base}_{index + 1}of{count}" if grouped else base
         request = Request(
             name=full,
@@ -172,6 +174,35 @@ def _submit(
         entries.append(Entry(request, tensor, output, handle, index))
     engine.enqueue(entries)
     return handle
+
+
+def _engine_stream_waits_for_caller(device: torch.device) -> None:
+    """Order the engine's reads of a CUDA tensor after the work queued to produce it.
+
+    The engine's threads copy CUDA tensors to host memory on the device's default stream. A
+    caller that queued the tensor's kernels on another stream (``torch.cuda.stream(s)``, as
+    some training loops and libraries do) would race with that copy, so the default stream
+    waits for the caller's stream here; the host does not wait.
+    """
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        default.wait_stream(current)
+
+
+def _caller_waits_for_engine_stream(results: Sequence[Any]) -> None:
+    """Order the caller's later work on a CUDA result after the engine's copy into it.
+
+    ``results`` holds one result per entry: a tensor, or a tuple of tensors (alltoall).
+    """
+    first = results[0] if results else None
+    if isinstance(first, tuple):
+        first = first[0]
+    if isinstance(first, torch.Tensor) and first.is_cuda:
+        current = torch.cuda.current_stream(first.device)
+        default = torch.cuda.default_stream(first.device)
+        if current != default:
+            current.wait_stream(default)
 
 
 # ---------------------------------------------------------------- allreduce
@@ -942,6 +973,7 @@ def synchronize(handle: int) -> Any:
         raise
     except RuntimeError as exc:
         raise HoraInternalError(str(exc)) from exc
+    _caller_waits_for_engine_stream(results)
     if post is not None:
         return post(results)
     if op_handle.kind == RequestType.ALLTOALL:
