@@ -171,10 +171,10 @@ def train_epoch(
     loader: DataLoader,
     epoch: int,
     show_progress: bool,
-    device: torch.device,
 ) -> float:
     """One pass over this rank's shard; returns the mean training loss over every rank."""
     model.train()
+    device = next(model.parameters()).device
     total, batches = torch.zeros((), device=device), len(loader)
     bar = tqdm(
         loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not show_progress, leave=False
@@ -195,9 +195,10 @@ def train_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test_set: TensorDataset, device: torch.device) -> float:
+def evaluate(model: nn.Module, test_set: TensorDataset) -> float:
     """Accuracy over the whole test set: each rank scores every size-th image, then sums."""
     model.eval()
+    device = next(model.parameters()).device
     shard = Subset(test_set, range(hvd.rank(), len(test_set), hvd.size()))
     correct = torch.zeros((), dtype=torch.int64, device=device)
     for images, labels in DataLoader(shard, batch_size=256):
@@ -252,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     accuracy = math.nan
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        loss = train_epoch(args, model, optimizer, loader, epoch, show_progress, device)
-        accuracy = evaluate(model, test_set, device)
+        loss = train_epoch(args, model, optimizer, loader, epoch, show_progress)
+        accuracy = evaluate(model, test_set)
         if hvd.rank() == 0:
             print(
                 f"epoch {epoch + 1}/{args.epochs}: train loss {loss:.4f}, "
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.checkpoint:
                 save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
     if math.isnan(accuracy):  # resumed at or past --epochs: nothing was trained
-        accuracy = evaluate(model, test_set, device)
+        accuracy = evaluate(model, test_set)
     if hvd.rank() == 0:
         print(f"final test accuracy: {accuracy:.4f}", flush=True)
     hvd.shutdown()
