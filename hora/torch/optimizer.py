@@ -181,6 +181,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Parameters that got no gradient this step (unused in the forward pass) are reduced as
         zeros, so every rank submits the same names.
         """
+        if self._submit_outstanding():
+            group_results: dict[int, list[torch.Tensor]] = {}
+            for p, (handle, ctx) in self._handles.items():
+                self._collect(p, handle, ctx, group_results)
+            self._handles.clear()
+        self._synchronized = True
+
+    def _submit_outstanding(self) -> bool:
+        """Close the backward pass: submit what no hook submitted (zeros for parameters that
+        got no gradient). Returns whether there are results to collect."""
         first, last = self._backward_span
         if first:
             timeline = basics.current_timeline()
@@ -188,8 +198,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 timeline.complete(TRAINING_ROW, "BACKWARD", first, last)
             self._backward_span = (0, 0)
         if not self._process_set.included() or not self._requires_update:
-            self._synchronized = True
-            return
+            return False
         for p in self._requires_update:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -202,20 +211,85 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._group_ready.setdefault(group, set()).add(p)
         for group in list(self._group_ready):
             self._submit_group(group)
+        return True
+
+    def _collect(
+        self, p: torch.Tensor, handle: Any, ctx: Any, group_results: dict[int, list[torch.Tensor]]
+    ) -> None:
+        """Wait for ``p``'s reduced gradient and write it into ``p.grad``."""
+        if ctx == "sparse":
+            p.grad = handle().coalesce()
+        elif isinstance(handle, tuple):
+            _, group_handle, index = handle
+            if group_handle not in group_results:
+                group_results[group_handle] = ops.synchronize(group_handle)
+            self._write_grad(p, group_results[group_handle][index], ctx)
+        else:
+            self._write_grad(p, ops.synchronize(handle), ctx)
+        self._delay[p] = self.backward_passes_per_step
+
+    def _steps_in_parts(self) -> bool:
+        """Whether ``step()`` may update parameters as their gradients arrive, in parts.
+
+        Only for ``torch.optim``'s own optimizers, which update each parameter from its own
+        gradient and state alone (not ``LBFGS``, whose step looks at every parameter at once),
+        and only without step hooks, which would run once per part.
+        """
+        wrapped = self._hora_class.__bases__[0]
+        if not _PER_PARAMETER_STEP or not wrapped.__module__.startswith("torch.optim."):
+            return False
+        if issubclass(wrapped, torch.optim.LBFGS):
+            return False
+        return not (
+            getattr(self, "_optimizer_step_pre_hooks", None)
+            or getattr(self, "_optimizer_step_post_hooks", None)
+            or _global_step_hooks()
+        )
+
+    def _synchronize_and_step_in_parts(self) -> Any:
+        """Collect the reduced gradients in the order they were submitted; whenever the next
+        one is still on the wire, update the parameters collected so far first.
+
+        The optimizer update of the first gradients then overlaps the communication of the
+        last ones, which PyTorch DDP cannot do (its backward returns only once every bucket is
+        reduced). Each parameter gets exactly the update of one whole step.
+        """
+        if not self._submit_outstanding():
+            self._synchronized = True
+            return super(self._hora_class, self).step()  # type: ignore[misc]
         group_results: dict[int, list[torch.Tensor]] = {}
+        ready: list[torch.Tensor] = []
+        stepped: set[torch.Tensor] = set()
         for p, (handle, ctx) in self._handles.items():
-            if ctx == "sparse":
-                p.grad = handle().coalesce()
-            elif isinstance(handle, tuple):
-                _, group_handle, index = handle
-                if group_handle not in group_results:
-                    group_results[group_handle] = ops.synchronize(group_handle)
-                self._write_grad(p, group_results[group_handle][index], ctx)
-            else:
-                self._write_grad(p, ops.synchronize(handle), ctx)
-            self._delay[p] = self.backward_passes_per_step
+            if ready and not _finished(handle, ctx, group_results):
+                self._step_only(ready)
+                stepped.update(ready)
+                ready = []
+            self._collect(p, handle, ctx, group_results)
+            ready.append(p)
         self._handles.clear()
         self._synchronized = True
+        if not stepped:
+            return super(self._hora_class, self).step()  # type: ignore[misc]
+        return self._step_only(None, skip=stepped)
+
+    def _step_only(
+        self, params: list[torch.Tensor] | None, skip: set[torch.Tensor] | None = None
+    ) -> Any:
+        """Run the wrapped optimizer's step on ``params`` only (or on all but ``skip``)."""
+        chosen = set(params) if params is not None else None
+        saved = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [
+                    p
+                    for p in group["params"]
+                    if (chosen is None or p in chosen) and (skip is None or p not in skip)
+                ]
+            return super(self._hora_class, self).step()  # type: ignore[misc]
+        finally:
+            for group, params_of_group in zip(self.param_groups, saved):
+                group["params"] = params_of_group
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
         compression_ctx, _, was_sparse = ctx
@@ -249,9 +323,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+            if closure is None and self._steps_in_parts():
+                result = self._synchronize_and_step_in_parts()
+                self._synchronized = False
+                return self._step_done(started, result)
             self.synchronize()
         self._synchronized = False
         result = super(self._hora_class, self).step(closure)  # type: ignore[misc]
+        return self._step_done(started, result)
+
+    def _step_done(self, started: int, result: Any) -> Any:
+        timeline = basics.current_timeline()
         if timeline is not None:
             timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
             # Every finished step reaches the file, even if the process is killed next.
@@ -278,6 +360,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         super(self._hora_class, self).load_state_dict(state_dict)  # type: ignore[misc]
+
+
+# DistributedOptimizer.step() updates parameters in parts as their gradients arrive (see
+# _synchronize_and_step_in_parts); False always steps once, after every gradient is in.
+_PER_PARAMETER_STEP = True
+
+
+def _global_step_hooks() -> bool:
+    """Whether step hooks were registered for every optimizer (torch.optim's global hooks)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(
+        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+        or getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    )
+
+
+def _finished(handle: Any, ctx: Any, group_results: dict[int, list[torch.Tensor]]) -> bool:
+    """Whether a gradient's result is in, without waiting (sparse ones count as not in)."""
+    if ctx == "sparse":
+        return False
+    if isinstance(handle, tuple):
+        group_handle = handle[1]
+        return group_handle in group_results or bool(ops.poll(group_handle))
+    return bool(ops.poll(handle))
 
 
 def _elastic() -> bool:
