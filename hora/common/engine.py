@@ -16,6 +16,7 @@ lost rank. The engine sees requests and flat buffers, never modules or optimizer
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import itertools
 import logging
@@ -75,6 +76,9 @@ DIAGNOSE_WINDOW_S = 2.0
 
 # Called when a user thread starts (True) and stops (False) blocking on a handle.
 _wait_hook: Callable[[Handle, bool], None] | None = None
+# Serialises Handle._open (the finisher may deliver a result while the engine fails the job).
+_OPENING = threading.Lock()
+_allocate_lock = _thread.allocate_lock
 
 
 @dataclass(eq=False)
@@ -101,7 +105,7 @@ class _Flight:
 class Handle:
     """The pending result of one collective call (several tensors for a grouped call)."""
 
-    __slots__ = ("_event", "_remaining", "error", "grouped", "id", "kind", "results")
+    __slots__ = ("_done", "_latch", "_remaining", "error", "grouped", "id", "kind", "results")
 
     _ids = itertools.count(1)
 
@@ -112,9 +116,12 @@ class Handle:
         self.results: list[Any] = [None] * count
         self.error: str | None = None
         self._remaining = count
-        self._event = threading.Event()
-        if count == 0:
-            self._event.set()
+        # A latch: held until the result is in (a bare lock costs a fraction of an Event,
+        # and every gradient of every step makes a handle).
+        self._done = count == 0
+        self._latch = _allocate_lock()
+        if not self._done:
+            self._latch.acquire()
 
     @classmethod
     def restart_numbering(cls) -> None:
@@ -123,7 +130,7 @@ class Handle:
         cls._ids = itertools.count(1)
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self) -> list[Any]:
         """Block until done; return the per-tensor results.
@@ -131,12 +138,14 @@ class Handle:
         Raises:
             HoraInternalError: the operation failed on this rank.
         """
-        if not self._event.is_set():
+        if not self._done:
             hook = _wait_hook
             if hook is not None:
                 hook(self, True)
             try:
-                self._event.wait()
+                # Any number of waiters pass, one after another.
+                with self._latch:
+                    pass
             finally:
                 if hook is not None:
                     hook(self, False)
@@ -148,12 +157,20 @@ class Handle:
         self.results[index] = value
         self._remaining -= 1
         if self._remaining == 0 and self.error is None:
-            self._event.set()
+            self._open()
 
     def _fail(self, message: str) -> None:
-        if not self._event.is_set():
+        if not self._done:
             self.error = message
-            self._event.set()
+            self._open()
+
+    def _open(self) -> None:
+        """Release the waiters, once (results and failures may race to get here)."""
+        with _OPENING:
+            if self._done:
+                return
+            self._done = True
+            self._latch.release()
 
 
 @dataclass(eq=False)
@@ -424,11 +441,14 @@ class Engine:
             if not schedule.expects(request):
                 wake = True
                 continue
-            number, offset = schedule.slots[request.name]
-            if entry.tensor is not None and number not in schedule.in_flight:
-                piece = schedule.buffers[number][offset : offset + request.num_elements]
-                with torch.no_grad():
-                    piece.copy_(entry.tensor.reshape(-1))
+            tensor = entry.tensor
+            if tensor is not None and schedule.slots[request.name][0] not in schedule.in_flight:
+                piece = schedule.pieces[request.name]
+                if tensor.requires_grad:
+                    with torch.no_grad():
+                        piece.copy_(tensor.reshape(-1))
+                else:
+                    piece.copy_(tensor.reshape(-1))
                 entry.staged = schedule
             if request.name in self._awaiting:
                 self._awaiting.discard(request.name)
@@ -625,6 +645,9 @@ class Engine:
         for batch in schedule.batches:
             numel = sum(r.num_elements for r in batch) + self.size
             schedule.buffers.append(torch.empty(numel, dtype=_torch_dtype(batch[0].dtype)))
+        for name, (number, offset) in schedule.slots.items():
+            count = schedule.index[name][1].num_elements
+            schedule.pieces[name] = schedule.buffers[number][offset : offset + count]
         with self._wakeup:
             self._schedule = schedule
         return schedule
@@ -1488,12 +1511,12 @@ def _torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+_DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str | None:
     """hora's name for a torch dtype, or ``None`` when hora does not support it."""
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    return None
+    return _DTYPE_NAMES.get(dtype)
 
 
 class _Watcher(threading.Thread):

@@ -32,6 +32,7 @@ Product = ReduceOp.PRODUCT
 _handles: dict[int, tuple[Handle, Any]] = {}
 
 _REDUCE_OP_NAMES = {op: op.label for op in ReduceOp}
+_PREFIXES = {kind: kind.name.lower() for kind in RequestType}
 
 
 def _op_label(kind: RequestType) -> str:
@@ -113,7 +114,7 @@ def _submit_reduction(
             f"{_op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
             "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
         )
-    prefix = kind.name.lower()
+    prefix = _PREFIXES[kind]
     return _submit(
         kind,
         f"grouped_{prefix}" if grouped else prefix,
@@ -167,7 +168,7 @@ def _submit(
             dtype=dtype,
             shape=tuple(tensor.shape),
             process_set_id=set_id,
-            device=tensor.device.type,
+            device="cpu" if tensor.is_cpu else tensor.device.type,
             group=(base, count) if grouped else None,
             **fields,
         )

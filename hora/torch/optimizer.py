@@ -101,15 +101,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if timeline is not None:
             now = timeline.now()
             self._backward_span = (self._backward_span[0] or now, now)
-        if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
+        # Runs for every gradient of every step, on backward's critical path: few lookups.
+        handles = self._handles
+        pending = handles.get(p)
+        delay = self._delay[p]
+        if pending is not None and pending[0] is not None and delay <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
-        self._delay[p] -= 1
-        if self._delay[p] > 0:
-            self._handles[p] = (None, None)
+        delay -= 1
+        self._delay[p] = delay
+        if delay > 0:
+            handles[p] = (None, None)
             return
-        group = self._group_of.get(p)
+        group = self._group_of.get(p) if self._group_of else None
         if group is None:
-            self._handles[p] = self._submit(p)
+            handles[p] = self._submit(p)
             return
         ready = self._group_ready.setdefault(group, set())
         ready.add(p)
@@ -250,7 +255,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Collect the reduced gradients in the order they were submitted; whenever the next
         one is still on the wire, update the parameters collected so far first.
 
-        The optimizer update of the first gradients then overlaps the communication of the
+        Only parts of at least ``_PART_MIN_ELEMENTS`` elements are updated early. The
+        optimizer update of the first gradients then overlaps the communication of the
         last ones, which PyTorch DDP cannot do (its backward returns only once every bucket is
         reduced). Each parameter gets exactly the update of one whole step.
         """
@@ -259,14 +265,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return super(self._hora_class, self).step()  # type: ignore[misc]
         group_results: dict[int, list[torch.Tensor]] = {}
         ready: list[torch.Tensor] = []
+        elements = 0
         stepped: set[torch.Tensor] = set()
         for p, (handle, ctx) in self._handles.items():
-            if ready and not _finished(handle, ctx, group_results):
+            if (
+                ready
+                and elements >= _PART_MIN_ELEMENTS
+                and not _finished(handle, ctx, group_results)
+            ):
                 self._step_only(ready)
                 stepped.update(ready)
-                ready = []
+                ready, elements = [], 0
             self._collect(p, handle, ctx, group_results)
             ready.append(p)
+            elements += p.numel()
         self._handles.clear()
         self._synchronized = True
         if not stepped:
@@ -365,6 +377,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 # DistributedOptimizer.step() updates parameters in parts as their gradients arrive (see
 # _synchronize_and_step_in_parts); False always steps once, after every gradient is in.
 _PER_PARAMETER_STEP = True
+# The fewest parameter elements worth updating early. A smaller update is over before the
+# result it would overlap lands, and its many short operations hold the GIL between them,
+# delaying the engine threads that deliver that result (measured: the transformer of
+# benchmarks/training.py, 28 tensors, slowed down when stepped in small parts).
+_PART_MIN_ELEMENTS = 1 << 20
 
 
 def _global_step_hooks() -> bool:
