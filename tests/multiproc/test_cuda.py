@@ -96,10 +96,11 @@ def _collectives(device: Any) -> dict[str, Any]:
 
 
 def _side_stream(device: Any) -> dict[str, Any]:
-    """A tensor written on a side stream, still queued there when it is submitted.
+    """A tensor written on a side stream, still queued there when it is submitted, and its
+    result used on that stream.
 
-    The GPU sleeps on the side stream before filling the tensor, so a copy to the host that
-    did not wait for that stream would read the zeros it starts with.
+    The GPU sleeps on the side stream before filling the tensor, which leaves the work queued
+    while hora reads it; the values must be those written after the sleep.
     """
     import torch
 
@@ -300,7 +301,7 @@ def test_collectives_on_cuda_tensors(cuda_job: list[dict[str, Any]], case: str) 
 
 
 @pytest.mark.timeout(180)
-def test_a_tensor_still_being_written_on_a_side_stream_is_read_after_it(
+def test_a_tensor_written_on_a_side_stream_is_reduced_with_its_final_values(
     cuda_job: list[dict[str, Any]],
 ) -> None:
     for rank, observed in enumerate(cuda_job):
