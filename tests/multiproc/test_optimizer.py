@@ -312,6 +312,15 @@ def test_sum_op_and_broadcast_hyperparameters(behaviour: list[dict[str, Any]]) -
         assert observed["amp_finite"]
 
 
+# case: (optimizer, backward_passes_per_step, last and first layers as groups)
+PART_CASES: dict[str, tuple[str, int, bool]] = {
+    "sgd_momentum": ("sgd_momentum", 1, False),
+    "adam": ("adam", 1, False),
+    "sgd_groups": ("sgd_momentum", 1, True),
+    "adam_passes_2": ("adam", 2, False),
+}
+
+
 def _parts_worker() -> dict[str, Any]:
     """The last rank pauses in the middle of backward, after its last layer's gradients, so
     the other ranks reach step() with those reduced and the rest still on the wire."""
@@ -350,11 +359,16 @@ def _parts_worker() -> dict[str, Any]:
         return layers[2](Pause.apply(x) if pause else x)
 
     out: dict[str, Any] = {}
-    for name in ("sgd_momentum", "adam"):
+    for case, (name, passes, grouped) in PART_CASES.items():
         model, reference = build(100 + rank), build(100)
+        groups = None
+        if grouped:  # the last layer (reduced before the pause) and the first, as groups
+            groups = [list(model[2].parameters()), list(model[0].parameters())]
         optimizer = hvd.DistributedOptimizer(
             OPTIMIZERS[name](model.parameters(), torch),
             named_parameters=model.named_parameters(),
+            backward_passes_per_step=passes,
+            groups=groups,
         )
         reference_optimizer = OPTIMIZERS[name](reference.parameters(), torch)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -371,24 +385,25 @@ def _parts_worker() -> dict[str, Any]:
         data = torch.Generator().manual_seed(7)
         per_rank = BATCH // size
         for _ in range(3):
-            x = torch.randn(BATCH, 6, generator=data)
-            y = torch.randn(BATCH, 1, generator=data)
-            mine = slice(rank * per_rank, (rank + 1) * per_rank)
             optimizer.zero_grad()
             reference_optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(forward(model, x[mine], True), y[mine])
-            loss.backward()
+            for _ in range(passes):
+                x = torch.randn(BATCH, 6, generator=data)
+                y = torch.randn(BATCH, 1, generator=data)
+                mine = slice(rank * per_rank, (rank + 1) * per_rank)
+                loss = torch.nn.functional.mse_loss(forward(model, x[mine], True), y[mine])
+                loss.backward()
+                torch.nn.functional.mse_loss(forward(reference, x, False), y).backward()
             optimizer.step()
-            torch.nn.functional.mse_loss(forward(reference, x, False), y).backward()
             reference_optimizer.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        out[name] = {
+        out[case] = {
             "parts": parts,
             "reference": max(
                 (a - b).abs().max().item()
                 for a, b in zip(model.parameters(), reference.parameters())
             ),
-            "ranks": (hvd.allgather(flat.unsqueeze(0), name=f"flat.{name}") - flat)
+            "ranks": (hvd.allgather(flat.unsqueeze(0), name=f"flat.{case}") - flat)
             .abs()
             .max()
             .item(),
@@ -401,12 +416,12 @@ def _parts_worker() -> dict[str, Any]:
 @pytest.mark.parametrize("np", [2, 3])
 def test_step_updates_parameters_in_parts_as_gradients_arrive(np: int) -> None:
     results = run_job(_parts_worker, np)
-    for name in ("sgd_momentum", "adam"):
+    for case in PART_CASES:
         for rank, observed in enumerate(results):
-            result = observed[name]
-            assert result["ranks"] == 0.0, f"rank {rank}: ranks differ ({name}): {result}"
-            assert result["reference"] < 1e-5, f"rank {rank}: {name}: {result}"
+            result = observed[case]
+            assert result["ranks"] == 0.0, f"rank {rank}: ranks differ ({case}): {result}"
+            assert result["reference"] < 1e-5, f"rank {rank}: {case}: {result}"
         # Rank 0 got the last layer's gradients while the last rank paused: it updated those
         # parameters first (a part of n parameters), then the rest (-1).
-        parts = results[0][name]["parts"]
-        assert -1 in parts and parts[0] > 0, parts
+        parts = results[0][case]["parts"]
+        assert -1 in parts and parts[0] > 0, (case, parts)
