@@ -374,6 +374,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self._hora_class, self).load_state_dict(state_dict)  # type: ignore[misc]
 
 
+# torch.optim wraps each optimizer class's step() in a function that runs the step hooks (and a
+# profiler range). The wrapped optimizer's own step() has that wrapper already: marking this
+# step() as wrapped keeps the hooks from running twice, once around it and once inside it. They
+# run once, around the update, where the gradients are the averaged ones.
+_DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
 # DistributedOptimizer.step() updates parameters in parts as their gradients arrive (see
 # _synchronize_and_step_in_parts); False always steps once, after every gradient is in.
 _PER_PARAMETER_STEP = True

@@ -234,6 +234,19 @@ def _behaviour_worker() -> dict[str, Any]:
         scaler.step(amp_opt)
     scaler.update()
     out["amp_finite"] = all(torch.isfinite(p).all().item() for p in amp_model.parameters())
+
+    # Step hooks run once per step, around the update, and see the averaged gradients.
+    hooked = _model(seed=4)
+    hooked_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(hooked.parameters(), lr=0.1), named_parameters=hooked.named_parameters()
+    )
+    seen: list[Any] = []
+    hooked_opt.register_step_pre_hook(lambda *_: seen.append(("pre", hooked[0].bias.grad.clone())))
+    hooked_opt.register_step_post_hook(lambda *_: seen.append(("post", None)))
+    hooked(torch.full((2, 6), float(rank))).sum().backward()
+    hooked_opt.step()
+    out["step_hooks"] = [kind for kind, _ in seen]
+    out["pre_hook_grad"] = seen[0][1] if seen else None
     hvd.shutdown()
     return out
 
@@ -425,3 +438,11 @@ def test_step_updates_parameters_in_parts_as_gradients_arrive(np: int) -> None:
         # parameters first (a part of n parameters), then the rest (-1).
         parts = results[0][case]["parts"]
         assert -1 in parts and parts[0] > 0, (case, parts)
+
+
+@pytest.mark.timeout(150)
+def test_step_hooks_run_once_and_see_averaged_gradients(behaviour: list[dict[str, Any]]) -> None:
+    for rank, observed in enumerate(behaviour):
+        assert observed["step_hooks"] == ["pre", "post"], f"rank {rank}: {observed['step_hooks']}"
+        # Each rank's own gradient differs (its input is its rank); the average does not.
+        assert observed["pre_hook_grad"].equal(behaviour[0]["pre_hook_grad"]), rank
