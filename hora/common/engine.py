@@ -297,7 +297,9 @@ class Engine:
         self._awaiting: set[str] = set()
         self._cuts: set[str] = set()
         # Times the steady state was entered and left, and batches it ran (tests and tools read it).
-        self.steady_stats = {"entered": 0, "left": 0, "batches": 0}
+        # "blocked": leaves where no rank deviated, only a user waited on a result whose batch
+        # could not fill (the next schedule is cut there).
+        self.steady_stats = {"entered": 0, "left": 0, "blocked": 0, "batches": 0}
         # The timeline being written, if any (set by hora.common.basics).
         self.timeline: Timeline | None = None
         self._autotuner = (
@@ -999,6 +1001,8 @@ class Engine:
             self._flight = None
         self._history.clear()
         self.steady_stats["left"] += 1
+        if steady.DEVIATED not in codes:
+            self.steady_stats["blocked"] += 1
         if self.timeline is not None:
             self.timeline.instant(ENGINE_ROW, "STEADY_STATE_LEAVE")
         # One more period for every deviation so far before the schedule comes back (at most 10).

@@ -183,7 +183,7 @@ def test_the_steady_state_can_be_turned_off() -> None:
     env = {"HORA_STEADY_STATE": "0"}
     for result in run_job(_steady_worker, 2, "plain", 6, env=env):
         assert result["worst"] == 0.0
-        assert result["stats"] == {"entered": 0, "left": 0, "batches": 0}
+        assert result["stats"] == {"entered": 0, "left": 0, "blocked": 0, "batches": 0}
 
 
 @pytest.mark.timeout(120)
@@ -214,7 +214,13 @@ def test_a_deviation_seen_while_some_ranks_run_the_next_batch(np: int) -> None:
 def test_a_rank_submitting_in_another_order_stays_in_the_steady_state() -> None:
     for result in run_job(_steady_worker, 2, "reversed", STEPS):
         assert result["worst"] == 0.0
-        assert result["stats"]["left"] == 0, result["stats"]
+        stats = result["stats"]
+        # The order never counts as a deviation. Where the repeating sequence was first seen
+        # depends on timing; a first schedule that started mid-step can put a step's last
+        # tensors in one batch with the next step's first, which the user submits only after
+        # waiting on the former: every rank then leaves once, blocked, and cuts the batch there.
+        assert stats["left"] == stats["blocked"] <= 1, stats
+        assert stats["entered"] == stats["left"] + 1, stats
 
 
 @pytest.mark.timeout(120)
