@@ -16,7 +16,6 @@ lost rank. The engine sees requests and flat buffers, never modules or optimizer
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import itertools
 import logging
@@ -78,7 +77,6 @@ DIAGNOSE_WINDOW_S = 2.0
 _wait_hook: Callable[[Handle, bool], None] | None = None
 # Serialises Handle._open (the finisher may deliver a result while the engine fails the job).
 _OPENING = threading.Lock()
-_allocate_lock = _thread.allocate_lock
 
 
 @dataclass(eq=False)
@@ -119,7 +117,7 @@ class Handle:
         # A latch: held until the result is in (a bare lock costs a fraction of an Event,
         # and every gradient of every step makes a handle).
         self._done = count == 0
-        self._latch = _allocate_lock()
+        self._latch = threading.Lock()
         if not self._done:
             self._latch.acquire()
 
@@ -445,12 +443,10 @@ class Engine:
                 continue
             tensor = entry.tensor
             if tensor is not None and schedule.slots[request.name][0] not in schedule.in_flight:
-                piece = schedule.pieces[request.name]
-                if tensor.requires_grad:
-                    with torch.no_grad():
-                        piece.copy_(tensor.reshape(-1))
-                else:
-                    piece.copy_(tensor.reshape(-1))
+                # detach(), not no_grad(): a gradient needs neither, and the mode switch
+                # costs more than the copy of a small tensor.
+                source = tensor.detach() if tensor.requires_grad else tensor
+                schedule.pieces[request.name].copy_(source.reshape(-1))
                 entry.staged = schedule
             if request.name in self._awaiting:
                 self._awaiting.discard(request.name)

@@ -261,7 +261,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         reduced). Each parameter gets exactly the update of one whole step.
         """
         if not self._submit_outstanding():
-            self._synchronized = True
             return super(self._hora_class, self).step()  # type: ignore[misc]
         group_results: dict[int, list[torch.Tensor]] = {}
         ready: list[torch.Tensor] = []
@@ -280,7 +279,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ready.append(p)
             elements += p.numel()
         self._handles.clear()
-        self._synchronized = True
         if not stepped:
             return super(self._hora_class, self).step()  # type: ignore[misc]
         return self._step_only(None, skip=stepped)
@@ -332,20 +330,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         timeline = basics.current_timeline()
         started = timeline.now() if timeline is not None else 0
+        in_parts = False
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
-            if closure is None and self._steps_in_parts():
-                result = self._synchronize_and_step_in_parts()
-                self._synchronized = False
-                return self._step_done(started, result)
-            self.synchronize()
+            in_parts = closure is None and self._steps_in_parts()
+            if not in_parts:
+                self.synchronize()
         self._synchronized = False
-        result = super(self._hora_class, self).step(closure)  # type: ignore[misc]
-        return self._step_done(started, result)
-
-    def _step_done(self, started: int, result: Any) -> Any:
-        timeline = basics.current_timeline()
+        if in_parts:
+            result = self._synchronize_and_step_in_parts()
+        else:
+            result = super(self._hora_class, self).step(closure)  # type: ignore[misc]
         if timeline is not None:
             timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
             # Every finished step reaches the file, even if the process is killed next.

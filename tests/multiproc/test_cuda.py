@@ -25,15 +25,6 @@ BATCH = 12
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8")
 
 
-def _device() -> Any:
-    import torch
-
-    import hora.torch as hvd
-
-    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _collectives(device: Any) -> dict[str, Any]:
     """Each collective on CUDA tensors: (result on the GPU, values right)."""
     import torch
@@ -265,9 +256,10 @@ def _cuda_worker() -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
+    from hora.tools.synthetic_benchmark import pick_device
 
     hvd.init()
-    device = _device()
+    device = pick_device(no_cuda=False)  # GPU local_rank % count, as the examples pick it
     out = _collectives(device)
     out.update(_side_stream(device))
     out.update(_sparse(device))
