@@ -446,7 +446,7 @@ class Engine:
                 # detach(), not no_grad(): a gradient needs neither, and the mode switch
                 # costs more than the copy of a small tensor.
                 source = tensor.detach() if tensor.requires_grad else tensor
-                schedule.pieces[request.name].copy_(source.reshape(-1))
+                schedule.pieces[request.name].copy_(source)
                 entry.staged = schedule
             if request.name in self._awaiting:
                 self._awaiting.discard(request.name)
@@ -644,8 +644,10 @@ class Engine:
             numel = sum(r.num_elements for r in batch) + self.size
             schedule.buffers.append(torch.empty(numel, dtype=_torch_dtype(batch[0].dtype)))
         for name, (number, offset) in schedule.slots.items():
-            count = schedule.index[name][1].num_elements
-            schedule.pieces[name] = schedule.buffers[number][offset : offset + count]
+            request = schedule.index[name][1]
+            piece = schedule.buffers[number][offset : offset + request.num_elements]
+            # Shaped as the tensor: staging copies it without a reshape.
+            schedule.pieces[name] = piece.view(request.shape)
         with self._wakeup:
             self._schedule = schedule
         return schedule
@@ -1453,12 +1455,26 @@ def _copy_out_pieces(entries: Sequence[Entry | None], flat: torch.Tensor, sizes:
 
 
 def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], factor: float) -> None:
-    """Like :func:`_copy_out`, scaling by ``factor`` on the way (one pass over the data)."""
-    if factor == 1.0 or flat.dtype in (torch.float16, torch.bfloat16):
+    """Like :func:`_copy_out`, scaling by ``factor`` on the way.
+
+    Large tensors are scaled straight into their destinations (one pass over the data); many
+    small ones are cheaper scaled in the buffer by one operation, then copied by another.
+    """
+    if (
+        factor == 1.0
+        or flat.dtype in (torch.float16, torch.bfloat16)
+        or flat.numel() < _SCALE_EACH_FROM * len(sizes)
+    ):
         _copy_out(list(entries), _scale(flat, factor), sizes)
         return
     with _writing_to_inference(entries):
         _scale_out_pieces(entries, flat, sizes, factor)
+
+
+# The mean elements per tensor from which _scale_out scales each tensor on its own (measured:
+# 29 tensors of 2.7k elements on average took half the time scaled in the buffer first; 6 of
+# 310k took a fifth more).
+_SCALE_EACH_FROM = 1 << 16
 
 
 def _scale_out_pieces(

@@ -84,7 +84,8 @@ class Schedule:
     buffers: list[Any] = field(default_factory=list)
     # The responses the schedule was cut from (to cut them again another way).
     period: list[Response] = field(default_factory=list)
-    # Per name: its piece of its batch's buffer (a view, made once with the buffers).
+    # Per name: its piece of its batch's buffer (a view shaped as the tensor, made once with the
+    # buffers).
     pieces: dict[str, Any] = field(default_factory=dict)
     # Batches whose buffer the transport holds now (the engine's lock guards it).
     in_flight: set[int] = field(default_factory=set)

@@ -103,17 +103,7 @@ def _submit_reduction(
     grouped: bool,
 ) -> Handle:
     """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
-    if reduce_op == ReduceOp.ADASUM:
-        raise NotImplementedError(
-            "Adasum is not implemented in hora (Horovod runs it only over MPI). Use op=hvd.Average."
-        )
-    if reduce_op == ReduceOp.AVERAGE and any(
-        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors
-    ):
-        raise ValueError(
-            f"{_op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
-            "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
-        )
+    _check_reduction(kind, tensors, reduce_op)
     prefix = _PREFIXES[kind]
     return _submit(
         kind,
@@ -127,6 +117,23 @@ def _submit_reduction(
         prescale=float(prescale_factor),
         postscale=float(postscale_factor),
     )
+
+
+def _check_reduction(
+    kind: RequestType, tensors: Sequence[torch.Tensor], reduce_op: ReduceOp
+) -> None:
+    """Raise if hora cannot run ``reduce_op`` on these tensors."""
+    if reduce_op == ReduceOp.ADASUM:
+        raise NotImplementedError(
+            "Adasum is not implemented in hora (Horovod runs it only over MPI). Use op=hvd.Average."
+        )
+    if reduce_op == ReduceOp.AVERAGE and any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors
+    ):
+        raise ValueError(
+            f"{_op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
+            "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
+        )
 
 
 def _full_name(prefix: str, name: str | None, handle: Handle) -> str:
@@ -158,23 +165,92 @@ def _submit(
         raise ValueError("Tensors in list must be on same device.")
     entries = []
     for index, (tensor, output) in enumerate(zip(tensors, outputs)):
-        dtype = _check_tensor(tensor, kind)
+        full = f"{base}_{index + 1}of{count}" if grouped else base
+        group = (base, count) if grouped else None
+        request = _request(kind, full, tensor, set_id, group, fields)
         if tensor.is_cuda:
             _engine_stream_waits_for_caller(tensor.device)
-        full = f"{base}_{index + 1}of{count}" if grouped else base
-        request = Request(
-            name=full,
-            kind=kind,
-            dtype=dtype,
-            shape=tuple(tensor.shape),
-            process_set_id=set_id,
-            device="cpu" if tensor.is_cpu else tensor.device.type,
-            group=(base, count) if grouped else None,
-            **fields,
-        )
         entries.append(Entry(request, tensor, output, handle, index))
     engine.enqueue(entries)
     return handle
+
+
+def _request(
+    kind: RequestType,
+    name: str,
+    tensor: torch.Tensor,
+    set_id: int,
+    group: tuple[str, int] | None,
+    fields: dict[str, Any],
+) -> Request:
+    """Check one tensor and describe it to the engine."""
+    dtype = _check_tensor(tensor, kind)
+    return Request(
+        name=name,
+        kind=kind,
+        dtype=dtype,
+        shape=tuple(tensor.shape),
+        process_set_id=set_id,
+        device="cpu" if tensor.is_cpu else tensor.device.type,
+        group=group,
+        **fields,
+    )
+
+
+class RepeatedAllreduce:
+    """An in-place allreduce submitted again and again under one name: a gradient's, every step.
+
+    ``submit(tensor)`` is ``allreduce_async_(tensor, name=name, ...)``, but the checks and the
+    request are made only when the tensor's dtype, shape or device (or the engine, after an
+    elastic reset) changes; otherwise a call only queues the tensor. ``DistributedOptimizer``'s
+    gradient hooks use it: they run on backward's critical path, once per parameter per step.
+    """
+
+    __slots__ = ("_dtype", "_engine", "_fields", "_name", "_process_set", "_request")
+
+    def __init__(
+        self,
+        name: str,
+        op: ReduceOp,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: ProcessSet,
+    ) -> None:
+        _check_reduction(RequestType.ALLREDUCE, [], op)
+        self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
+        self._process_set = process_set
+        self._fields = {
+            "reduce_op": op,
+            "prescale": float(prescale_factor),
+            "postscale": float(postscale_factor),
+        }
+        self._request: Request | None = None
+        self._engine: Any = None
+        self._dtype: torch.dtype | None = None
+
+    def submit(self, tensor: torch.Tensor) -> int:
+        """Start reducing ``tensor`` in place; returns a handle, as ``allreduce_async_`` does."""
+        kind = RequestType.ALLREDUCE
+        set_id = _check_process_set(self._process_set, kind)
+        engine = basics.engine()
+        request = self._request
+        if (
+            request is None
+            or engine is not self._engine
+            or tensor.dtype is not self._dtype
+            or request.process_set_id != set_id
+            or request.shape != tensor.shape
+            or request.device != ("cpu" if tensor.is_cpu else tensor.device.type)
+            or not tensor.is_contiguous()
+        ):
+            _check_reduction(kind, [tensor], self._fields["reduce_op"])
+            request = _request(kind, self._name, tensor, set_id, None, self._fields)
+            self._request, self._engine, self._dtype = request, engine, tensor.dtype
+        if tensor.is_cuda:
+            _engine_stream_waits_for_caller(tensor.device)
+        handle = Handle(1, kind)
+        engine.enqueue([Entry(request, tensor, tensor, handle)])
+        return _register(handle)
 
 
 def _engine_stream_waits_for_caller(device: torch.device) -> None:

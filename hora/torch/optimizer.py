@@ -71,6 +71,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_of: dict[torch.Tensor, int] = {}
         self._groups: list[list[torch.Tensor]] = []
         self._group_ready: dict[int, set[torch.Tensor]] = {}
+        # Per parameter reduced on its own: its allreduce, with the request made once.
+        self._reducers: dict[torch.Tensor, ops.RepeatedAllreduce] = {}
         if process_set.included() and (basics.size() > 1 or _elastic()):
             self._register_hooks(groups)
 
@@ -85,7 +87,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if len(members) > 1:
                 for p in members:
                     self._group_of[p] = index
+        prescale, postscale = self._scales()
         for p in params:
+            if p not in self._group_of:
+                self._reducers[p] = ops.RepeatedAllreduce(
+                    self._parameter_names[p], self._op, prescale, postscale, self._process_set
+                )
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
 
     def _make_hook(self) -> Any:
@@ -135,25 +142,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, p: torch.Tensor) -> tuple[Any, Any]:
         assert p.grad is not None
-        name = self._parameter_names[p]
         if p.grad.is_sparse and not self._sparse_as_dense:
             finish = ops.sparse_allreduce_async(
-                p.grad, name=name, op=self._op, process_set=self._process_set
+                p.grad, name=self._parameter_names[p], op=self._op, process_set=self._process_set
             )
             return finish, "sparse"
         sparse = p.grad.is_sparse
         grad = self._dense_grad(p) if sparse else p.grad
         compressed, ctx = self._compression.compress(grad)
-        prescale, postscale = self._scales()
-        handle = ops.allreduce_async_(
-            compressed,
-            name=name,
-            op=self._op,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            process_set=self._process_set,
-        )
-        return handle, (ctx, compressed, sparse)
+        return self._reducers[p].submit(compressed), (ctx, compressed, sparse)
 
     def _submit_group(self, group: int) -> None:
         members = self._groups[group]

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from hora.common.errors import HoraInternalError
+
 from .jobs import assert_raised, error_of, run_job
 
 BATCH = 12  # divisible by 2 and 3, so every rank's slice has the same size
@@ -31,6 +33,7 @@ def _model(seed: int) -> Any:
 
 
 OPTIMIZERS: dict[str, Any] = {
+    "sgd": lambda p, torch: torch.optim.SGD(p, lr=0.05),
     "sgd_momentum": lambda p, torch: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
     "adam": lambda p, torch: torch.optim.Adam(p, lr=0.01),
     "adamw": lambda p, torch: torch.optim.AdamW(p, lr=0.01),
@@ -43,8 +46,19 @@ OPTIMIZERS: dict[str, Any] = {
 }
 
 
-def _train(optimizer_name: str, passes: int = 1, compression: str = "none", **wrap: Any) -> float:
-    """Train hora and a one-process reference side by side; return the largest difference."""
+def _train(
+    optimizer_name: str,
+    passes: int = 1,
+    compression: str = "none",
+    float64_from: int | None = None,
+    **wrap: Any,
+) -> float:
+    """Train hora and a one-process reference side by side; return the largest difference.
+
+    ``float64_from``: the step from which both models are in float64 (``model.double()``);
+    the steps before it reduce float32 gradients but update nothing, so that the models are
+    still equal when float64 starts.
+    """
     import torch
 
     import hora.torch as hvd
@@ -65,12 +79,21 @@ def _train(optimizer_name: str, passes: int = 1, compression: str = "none", **wr
     reference_optimizer = make(reference.parameters(), torch)
     data = torch.Generator().manual_seed(7)
     per_rank = BATCH // size
-    for _ in range(STEPS):
+    dtype = torch.float32
+    rate = optimizer.param_groups[0]["lr"]
+    for step in range(STEPS):
+        if float64_from is not None:
+            for group in optimizer.param_groups + reference_optimizer.param_groups:
+                group["lr"] = rate if step >= float64_from else 0.0
+        if step == float64_from:
+            dtype = torch.float64
+            model.double()
+            reference.double()
         optimizer.zero_grad()
         reference_optimizer.zero_grad()
         for _ in range(passes):
-            x = torch.randn(BATCH, 6, generator=data)
-            y = torch.randn(BATCH, 1, generator=data)
+            x = torch.randn(BATCH, 6, generator=data).to(dtype)
+            y = torch.randn(BATCH, 1, generator=data).to(dtype)
             mine = slice(rank * per_rank, (rank + 1) * per_rank)
             torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
             torch.nn.functional.mse_loss(reference(x), y).backward()
@@ -92,6 +115,8 @@ def _equivalence_worker() -> dict[str, Any]:
     out["sgd_bf16"] = _train("sgd_momentum", compression="bf16")
     out["sgd_groups_2"] = _train("sgd_momentum", groups=2)
     out["adam_predivide"] = _train("adam", gradient_predivide_factor=2.0)
+    # The gradients' dtype changes midway on every rank: float64 training stays exact.
+    out["sgd_float64_midway"] = _train("sgd", float64_from=STEPS // 2)
     hvd.shutdown()
     return out
 
@@ -118,6 +143,7 @@ def test_training_matches_one_process_on_the_whole_batch(
         ("adam_passes_2", 1e-5),
         ("sgd_groups_2", 1e-5),
         ("adam_predivide", 1e-5),
+        ("sgd_float64_midway", 1e-13),
         ("sgd_fp16", 2e-3),
         ("sgd_bf16", 2e-2),
     ],
@@ -247,6 +273,21 @@ def _behaviour_worker() -> dict[str, Any]:
     hooked_opt.step()
     out["step_hooks"] = [kind for kind, _ in seen]
     out["pre_hook_grad"] = seen[0][1] if seen else None
+
+    # Gradients that change dtype on one rank only are a mismatch, reported as for any allreduce
+    # (each parameter's allreduce is described anew when its gradient's dtype changes).
+    mixed = _model(seed=5)
+    mixed_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(mixed.parameters(), lr=0.1), named_parameters=mixed.named_parameters()
+    )
+    dtype = torch.float32
+    for step in range(3):
+        if step == 2 and rank == 0:
+            dtype = torch.float64
+            mixed.double()
+        mixed_opt.zero_grad()
+        mixed(torch.ones(2, 6, dtype=dtype)).sum().backward()
+        out["dtype_changed_alone"] = error_of(mixed_opt.step)
     hvd.shutdown()
     return out
 
@@ -446,3 +487,17 @@ def test_step_hooks_run_once_and_see_averaged_gradients(behaviour: list[dict[str
         assert observed["step_hooks"] == ["pre", "post"], f"rank {rank}: {observed['step_hooks']}"
         # Each rank's own gradient differs (its input is its rank); the average does not.
         assert observed["pre_hook_grad"].equal(behaviour[0]["pre_hook_grad"]), rank
+
+
+@pytest.mark.timeout(150)
+def test_a_gradient_dtype_changed_on_one_rank_is_a_mismatch(
+    behaviour: list[dict[str, Any]],
+) -> None:
+    for observed in behaviour:
+        assert_raised(
+            observed["dtype_changed_alone"],
+            HoraInternalError,
+            "Mismatched data types for 'allreduce.grad.",
+            "float64",
+            "float32",
+        )
