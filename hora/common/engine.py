@@ -86,8 +86,6 @@ class _Flight:
     schedule: steady.Schedule
     position: int
     entries: list[Entry | None]
-    buffer: torch.Tensor
-    sizes: list[int]
     code: int
     deviation: str | None
     number: int = 0
@@ -640,9 +638,14 @@ class Engine:
         schedule = steady.build_schedule(
             period, self.settings.fusion_threshold_bytes, self._cuts, **sizes
         )
-        for batch in schedule.batches:
-            numel = sum(r.num_elements for r in batch) + self.size
-            schedule.buffers.append(torch.empty(numel, dtype=_torch_dtype(batch[0].dtype)))
+        # One buffer per batch, reused every period (no allocation, no page faults per step);
+        # after the data, one slot per rank for its code (see hora.common.steady).
+        for batch, counts in zip(schedule.batches, schedule.sizes):
+            total = sum(counts)
+            buffer = torch.empty(total + self.size, dtype=_torch_dtype(batch[0].dtype))
+            schedule.buffers.append(buffer)
+            schedule.data.append(buffer[:total])
+            schedule.codes.append(buffer[total:])
         for name, (number, offset) in schedule.slots.items():
             request = schedule.index[name][1]
             piece = schedule.buffers[number][offset : offset + request.num_elements]
@@ -733,17 +736,16 @@ class Engine:
         self._batch_number += 1
         position = schedule.position
         batch = schedule.current
-        entries = [] if code != steady.FOLLOWING else [self._take(r.name) for r in batch]
-        sizes = [r.num_elements for r in batch]
-        total = sum(sizes)
-        # One buffer per batch, reused every period (no allocation, no page faults per step);
-        # after the data, one slot per rank for its code (see hora.common.steady).
+        entries = [] if code != steady.FOLLOWING else self._take_all([r.name for r in batch])
         buffer = schedule.buffers[position]
-        data, codes = buffer[:total], buffer[total:]
+        data, codes = schedule.data[position], schedule.codes[position]
         if code == steady.FOLLOWING:
-            for entry, piece in zip(entries, data.split(sizes)):
+            # Tensors are staged as they are submitted (see _admit), except those submitted
+            # while this buffer was still on the wire.
+            pieces = schedule.pieces
+            for entry in entries:
                 if entry is not None and entry.tensor is not None and entry.staged is not schedule:
-                    piece.copy_(entry.tensor.reshape(-1))
+                    pieces[entry.request.name].copy_(entry.tensor)
             scaled = _scale(data, batch[0].prescale)
             if scaled is not data:
                 data.copy_(scaled)
@@ -751,7 +753,7 @@ class Engine:
             data.zero_()
         codes.zero_()
         codes[self.rank] = code
-        flight = _Flight(schedule, position, entries, buffer, sizes, code, deviation)
+        flight = _Flight(schedule, position, entries, code, deviation)
         flight.number, flight.started = self._batch_number, started
         self._steady_started += 1
         flight.steady_id = self._steady_started
@@ -797,9 +799,7 @@ class Engine:
             raise self._steady_error(flight, exc) from exc
         timeline = self.timeline
         done = timeline.now() if timeline is not None else 0
-        buffer, sizes = flight.buffer, flight.sizes
-        total = sum(sizes)
-        codes = buffer[total:]
+        codes = schedule.codes[flight.position]
         if bool(codes.any()):
             with self._wakeup:
                 schedule.in_flight.discard(flight.position)
@@ -816,9 +816,9 @@ class Engine:
             postscale /= self.size
         # Completed here rather than on the finisher: a hand-off between threads costs more
         # than the copy, and the next batch (if ready) is already running.
-        data = buffer[:total]
+        data = schedule.data[flight.position]
         finished = [e for e in flight.entries if e is not None]
-        _scale_out(finished, data, sizes, postscale)
+        _deliver(finished, data, schedule.pieces, postscale)
         with self._wakeup:
             # Only now may the next period's tensors be staged into this buffer.
             schedule.in_flight.discard(flight.position)
@@ -829,7 +829,7 @@ class Engine:
                     row = timeline.row(entry.request.name)
                     timeline.complete(row, "WAIT_FOR_BATCH", entry.submitted, flight.started, args)
             times = (flight.started, flight.issued, done, timeline.now())
-            nbytes = total * buffer.itemsize
+            nbytes = data.numel() * data.itemsize
             self._trace_collective(finished, RequestType.ALLREDUCE, flight.number, times, nbytes)
         if flight.position == len(schedule.batches) - 1:
             self._period_finished(schedule)
@@ -1185,6 +1185,13 @@ class Engine:
             self._taken.append(entry)
         return entry
 
+    def _take_all(self, names: list[str]) -> list[Entry | None]:
+        """``_take`` for several names at once."""
+        with self._wakeup:
+            entries = [self._in_flight.pop(name, None) for name in names]
+        self._taken.extend(entry for entry in entries if entry is not None)
+        return entries
+
     def _fail_name(self, name: str, message: str) -> None:
         entry = self._take(name)
         if entry is not None:
@@ -1435,13 +1442,8 @@ def _writing_to_inference(entries: Sequence[Entry | None]) -> Any:
     return contextlib.nullcontext()
 
 
-def _copy_out(entries: Sequence[Entry | None], flat: torch.Tensor, sizes: list[int]) -> None:
-    """Copy pieces of a reduced buffer to the entries' destinations and finish them."""
-    with _writing_to_inference(entries):
-        _copy_out_pieces(entries, flat, sizes)
-
-
 def _copy_out_pieces(entries: Sequence[Entry | None], flat: torch.Tensor, sizes: list[int]) -> None:
+    """Copy pieces of a reduced buffer to the entries' destinations and finish them."""
     pairs = [
         (dest.reshape(-1), piece)
         for dest, piece in zip(map(_destination, entries), flat.split(sizes))
@@ -1454,42 +1456,50 @@ def _copy_out_pieces(entries: Sequence[Entry | None], flat: torch.Tensor, sizes:
             _finish(entry, _destination(entry))
 
 
-def _scale_out(entries: list[Entry], flat: torch.Tensor, sizes: list[int], factor: float) -> None:
-    """Like :func:`_copy_out`, scaling by ``factor`` on the way.
+def _deliver(
+    entries: list[Entry], data: torch.Tensor, pieces: dict[str, torch.Tensor], factor: float
+) -> None:
+    """Deliver a steady-state batch: scale by ``factor``, copy each entry's piece (a view of
+    ``data`` shaped as its tensor) to its destination, and finish the entries.
 
     Large tensors are scaled straight into their destinations (one pass over the data); many
     small ones are cheaper scaled in the buffer by one operation, then copied by another.
     """
-    if (
-        factor == 1.0
-        or flat.dtype in (torch.float16, torch.bfloat16)
-        or flat.numel() < _SCALE_EACH_FROM * len(sizes)
-    ):
-        _copy_out(list(entries), _scale(flat, factor), sizes)
-        return
     with _writing_to_inference(entries):
-        _scale_out_pieces(entries, flat, sizes, factor)
+        each = (
+            factor != 1.0
+            and data.dtype not in (torch.float16, torch.bfloat16)
+            and data.numel() >= _SCALE_EACH_FROM * max(len(entries), 1)
+        )
+        destinations = [_destination(entry) for entry in entries]
+        if each:
+            for entry, dest in zip(entries, destinations):
+                if dest is None:
+                    continue
+                piece = pieces[entry.request.name]
+                if dest.device == piece.device and dest.dtype == piece.dtype:
+                    torch.mul(piece, factor, out=dest)
+                else:
+                    dest.copy_(piece.mul(factor))
+        else:
+            scaled = _scale(data, factor)
+            if scaled is not data:
+                data.copy_(scaled)
+            pairs = [
+                (dest, pieces[entry.request.name])
+                for entry, dest in zip(entries, destinations)
+                if dest is not None
+            ]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [p for _, p in pairs])
+    for entry, dest in zip(entries, destinations):
+        _finish(entry, dest)
 
 
-# The mean elements per tensor from which _scale_out scales each tensor on its own (measured:
+# The mean elements per tensor from which _deliver scales each tensor on its own (measured:
 # 29 tensors of 2.7k elements on average took half the time scaled in the buffer first; 6 of
 # 310k took a fifth more).
 _SCALE_EACH_FROM = 1 << 16
-
-
-def _scale_out_pieces(
-    entries: list[Entry], flat: torch.Tensor, sizes: list[int], factor: float
-) -> None:
-    for entry, piece in zip(entries, flat.split(sizes)):
-        dest = _destination(entry)
-        if dest is None:
-            continue
-        if dest.device == piece.device and dest.dtype == piece.dtype and dest.is_contiguous():
-            torch.mul(piece, factor, out=dest.reshape(-1))
-        else:
-            dest.copy_(piece.mul(factor).view(dest.shape))
-    for entry in entries:
-        _finish(entry, _destination(entry))
 
 
 def _finish(entry: Entry, result: Any) -> None:

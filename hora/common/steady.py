@@ -87,6 +87,12 @@ class Schedule:
     # Per name: its piece of its batch's buffer (a view shaped as the tensor, made once with the
     # buffers).
     pieces: dict[str, Any] = field(default_factory=dict)
+    # Per batch: the elements of each of its tensors, in order.
+    sizes: list[list[int]] = field(default_factory=list)
+    # Per batch: the views of its buffer that hold the data and the ranks' codes (made by the
+    # engine with the buffers).
+    data: list[Any] = field(default_factory=list)
+    codes: list[Any] = field(default_factory=list)
     # Batches whose buffer the transport holds now (the engine's lock guards it).
     in_flight: set[int] = field(default_factory=set)
 
@@ -97,6 +103,7 @@ class Schedule:
                 self.index[request.name] = (number, request)
                 self.slots[request.name] = (number, offset)
                 offset += request.num_elements
+            self.sizes.append([request.num_elements for request in batch])
 
     @property
     def current(self) -> list[Request]:
