@@ -412,7 +412,7 @@ class Engine:
             for name in names:
                 if name in self._in_flight:
                     raise ValueError(DUPLICATE_NAME.format(name=name))
-            if len(set(names)) != len(names):
+            if len(names) > 1 and len(set(names)) != len(names):
                 raise ValueError(DUPLICATE_NAME.format(name=names[0]))
             for entry in entries:
                 self._in_flight[entry.request.name] = entry
