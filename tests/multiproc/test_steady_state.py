@@ -270,3 +270,36 @@ def test_a_rank_dying_in_the_steady_state_is_named(np: int) -> None:
     for rank in survivors:
         errors = error.results[rank].get("errors", [])
         assert errors and "rank 1" in errors[0], error.results[rank]
+
+
+def _lone_tensor_worker(steps: int) -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    engine = basics._state.engine
+    assert engine is not None
+    out: dict[str, Any] = {"worst": 0.0}
+    # A step that is one allreduce of one tensor: just over 1 MiB first, then a small one.
+    for label, numel in (("large", (1 << 18) + 1), ("small", 1000)):
+        for step in range(steps):
+            values = torch.arange(numel) % 5
+            tensor = (values + rank + step).float()
+            hvd.allreduce_(tensor, name=f"lone.{label}", op=hvd.Sum)
+            expected = (values * size + sum(range(size)) + step * size).float()
+            out["worst"] = max(out["worst"], float((tensor - expected).abs().max()))
+        out[label] = dict(engine.steady_stats)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_step_of_one_large_tensor_stays_negotiated() -> None:
+    # Negotiated, a lone tensor is reduced in place; a schedule would copy it in and out.
+    for result in run_job(_lone_tensor_worker, 2, 8):
+        assert result["worst"] == 0.0
+        assert result["large"]["entered"] == 0, result
+        assert result["small"]["entered"] == 1 and result["small"]["batches"] >= 3, result
