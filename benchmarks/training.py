@@ -197,7 +197,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="models to train (default: all)",
     )
     parser.add_argument(
-        "--iters", type=int, default=60, help="timed steps per model and mode (default 60)"
+        "--iters", type=int, default=200, help="timed steps per model and mode (default 200)"
     )
     parser.add_argument(
         "--warmup", type=int, default=5, help="untimed steps per model and mode (default 5)"
