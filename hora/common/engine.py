@@ -1191,14 +1191,11 @@ class Engine:
                 timeline.complete(row, "MEMCPY_OUT_FUSION_BUFFER", done, end, batch)
 
     def _take(self, name: str) -> Entry | None:
-        with self._wakeup:
-            entry = self._in_flight.pop(name, None)
-        if entry is not None:
-            self._taken.append(entry)
-        return entry
+        return self._take_all([name])[0]
 
     def _take_all(self, names: list[str]) -> list[Entry | None]:
-        """``_take`` for several names at once."""
+        """Take these names' entries out of the in-flight table (``None`` where there is none);
+        should the cycle raise, their handles fail with the engine (see ``_cycle``)."""
         with self._wakeup:
             entries = [self._in_flight.pop(name, None) for name in names]
         self._taken.extend(entry for entry in entries if entry is not None)
