@@ -179,6 +179,15 @@ class History:
                 return None
             if [r.template() for r in earlier] != templates:
                 return None
+        # The period before the repetitions (as much of it as the history holds) may hold only
+        # the period's own names. Otherwise the repetition may be part of a step: where ranks
+        # submit in varying orders, one step's last tensors can be agreed in the same order as
+        # the next step's first ones, and a schedule of them alone would meet the rest of the
+        # step as a deviation.
+        end = len(responses) - self.repeats * length
+        before = responses[max(0, end - length) : end]
+        if not {r.names[0] for r in before} <= set(names):
+            return None
         return tail
 
 

@@ -32,6 +32,19 @@ def test_a_sequence_seen_once_is_not_a_period() -> None:
     assert _history([]).period() is None
 
 
+def test_a_repetition_inside_a_step_is_not_a_period() -> None:
+    # A step of six tensors whose last three were agreed in the same order as the next step's
+    # first three: "d e f" repeats, but the step also has "a b c".
+    steps = ["a", "b", "c", "d", "e", "f", "d", "e", "f"]
+    assert _history(steps).period() is None
+    # Once the whole step repeats, it is the period.
+    period = _history(steps + ["a", "b", "c"] + ["d", "e", "f", "a", "b", "c"]).period()
+    assert period is not None
+    assert [r.names[0] for r in period] == ["d", "e", "f", "a", "b", "c"]
+    # Names seen before the repetitions that belong to the period do not stop it.
+    assert _history(["b", "c", "a", "b", "c", "a", "b", "c"]).period() is not None
+
+
 def test_more_repeats_are_needed_after_deviations() -> None:
     names = ["a", "b"] * 2
     assert _history(names, repeats=3).period() is None
