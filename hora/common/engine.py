@@ -21,12 +21,13 @@ import itertools
 import logging
 import math
 import struct
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -188,6 +189,9 @@ class Entry:
     staged: steady.Schedule | None = None
     # When it was submitted (timeline microseconds; 0 when no timeline was running).
     submitted: int = 0
+    # Whether the result may be lent instead of written into the destination: a view of the
+    # engine's steady-state buffer, which the caller adopts (``grad.set_(result)``).
+    lend: bool = False
 
 
 def _compute_dtype(dtype: torch.dtype, op: ReduceOp) -> tuple[torch.dtype, ReduceOp]:
@@ -300,7 +304,8 @@ class Engine:
         # Times the steady state was entered and left, and batches it ran (tests and tools read it).
         # "blocked": leaves where no rank deviated, only a user waited on a result whose batch
         # could not fill (the next schedule is cut there).
-        self.steady_stats = {"entered": 0, "left": 0, "blocked": 0, "batches": 0}
+        # "buffers": batch buffers allocated besides the schedules' first ones (see _claim).
+        self.steady_stats = {"entered": 0, "left": 0, "blocked": 0, "batches": 0, "buffers": 0}
         # The timeline being written, if any (set by hora.common.basics).
         self.timeline: Timeline | None = None
         self._autotuner = (
@@ -445,11 +450,11 @@ class Engine:
                 wake = True
                 continue
             tensor = entry.tensor
-            if tensor is not None and schedule.slots[request.name][0] not in schedule.in_flight:
-                # detach(), not no_grad(): a gradient needs neither, and the mode switch
-                # costs more than the copy of a small tensor.
-                source = tensor.detach() if tensor.requires_grad else tensor
-                schedule.pieces[request.name].copy_(source)
+            number = schedule.slots[request.name][0]
+            if tensor is not None and number not in schedule.in_flight:
+                if number in schedule.lent:
+                    self._claim(schedule, number)
+                _stage(schedule, number, request.name, tensor)
                 entry.staged = schedule
             if request.name in self._awaiting:
                 self._awaiting.discard(request.name)
@@ -652,20 +657,44 @@ class Engine:
         )
         # One buffer per batch, reused every period (no allocation, no page faults per step);
         # after the data, one slot per rank for its code (see hora.common.steady).
-        for batch, counts in zip(schedule.batches, schedule.sizes):
-            total = sum(counts)
-            buffer = torch.empty(total + self.size, dtype=_torch_dtype(batch[0].dtype))
-            schedule.buffers.append(buffer)
-            schedule.data.append(buffer[:total])
-            schedule.codes.append(buffer[total:])
-        for name, (number, offset) in schedule.slots.items():
-            request = schedule.index[name][1]
-            piece = schedule.buffers[number][offset : offset + request.num_elements]
-            # Shaped as the tensor: staging copies it without a reshape.
-            schedule.pieces[name] = piece.view(request.shape)
+        schedule.buffers = [None] * len(schedule.batches)
+        schedule.data = [None] * len(schedule.batches)
+        schedule.codes = [None] * len(schedule.batches)
+        schedule.baselines = [(0, 0)] * len(schedule.batches)
+        for number, (batch, counts) in enumerate(zip(schedule.batches, schedule.sizes)):
+            _install(schedule, number, _batch_buffer(batch, counts, self.size))
+            factor = batch[0].prescale
+            if batch[0].reduce_op == ReduceOp.AVERAGE:
+                factor /= self.size
+            schedule.factors.append(factor)
+            schedule.scale_each.append(
+                factor != 1.0 and sum(counts) >= _SCALE_EACH_FROM * len(counts)
+            )
         with self._wakeup:
             self._schedule = schedule
         return schedule
+
+    def _claim(self, schedule: steady.Schedule, number: int) -> None:
+        """Before batch ``number``'s buffer is written again after its results were lent: if a
+        lent view is still in use (a gradient that was not reset, or a reference the caller
+        kept), turn to the batch's spare buffer, or a new one, so that nothing lent ever changes
+        under its holder. Called with the engine's lock held.
+
+        A training loop that resets its gradients to ``None`` (``zero_grad()``'s default) before
+        the next backward frees every lent view, so one buffer serves every step; one that keeps
+        its gradients alternates between two.
+        """
+        schedule.lent.discard(number)
+        current = _installed(schedule, number)
+        if not _in_use(current):
+            return
+        spare = schedule.spares.get(number)
+        if spare is None or _in_use(spare):
+            spare = _batch_buffer(schedule.batches[number], schedule.sizes[number], self.size)
+            self.steady_stats["buffers"] += 1
+        _install(schedule, number, spare)
+        # The buffer still in use is kept as the spare: it is free again once its holder lets go.
+        schedule.spares[number] = current
 
     def _period_finished(self, schedule: steady.Schedule) -> None:
         """The schedule wrapped around: one step is done. Feed autotune."""
@@ -749,18 +778,21 @@ class Engine:
         position = schedule.position
         batch = schedule.current
         entries = [] if code != steady.FOLLOWING else self._take_all([r.name for r in batch])
+        if position in schedule.lent:
+            with self._wakeup:
+                self._claim(schedule, position)
         buffer = schedule.buffers[position]
         data, codes = schedule.data[position], schedule.codes[position]
         if code == steady.FOLLOWING:
             # Tensors are staged as they are submitted (see _admit), except those submitted
             # while this buffer was still on the wire.
-            pieces = schedule.pieces
             for entry in entries:
                 if entry is not None and entry.tensor is not None and entry.staged is not schedule:
-                    pieces[entry.request.name].copy_(entry.tensor)
-            scaled = _scale(data, batch[0].prescale)
-            if scaled is not data:
-                data.copy_(scaled)
+                    _stage(schedule, position, entry.request.name, entry.tensor)
+            if not schedule.scale_each[position]:
+                scaled = _scale(data, schedule.factors[position])
+                if scaled is not data:
+                    data.copy_(scaled)
         else:
             data.zero_()
         codes.zero_()
@@ -822,16 +854,16 @@ class Engine:
             self._leave_steady_state(deviation, entries, batch, [int(c) for c in codes.tolist()])
             return
         self.steady_stats["batches"] += 1
-        head = schedule.batches[flight.position][0]
-        postscale = head.postscale
-        if head.reduce_op == ReduceOp.AVERAGE:
-            postscale /= self.size
+        # The average's division happened before the sum (see Schedule.factors).
+        postscale = schedule.batches[flight.position][0].postscale
         # Completed here rather than on the finisher: a hand-off between threads costs more
         # than the copy, and the next batch (if ready) is already running.
         data = schedule.data[flight.position]
         finished = [e for e in flight.entries if e is not None]
-        _deliver(finished, data, schedule.pieces, postscale)
+        lent = _deliver(finished, data, schedule.pieces, postscale)
         with self._wakeup:
+            if lent:
+                schedule.lent.add(flight.position)
             # Only now may the next period's tensors be staged into this buffer.
             schedule.in_flight.discard(flight.position)
         if timeline is not None:
@@ -1467,25 +1499,38 @@ def _copy_out_pieces(entries: Sequence[Entry | None], flat: torch.Tensor, sizes:
 
 def _deliver(
     entries: list[Entry], data: torch.Tensor, pieces: dict[str, torch.Tensor], factor: float
-) -> None:
-    """Deliver a steady-state batch: scale by ``factor``, copy each entry's piece (a view of
-    ``data`` shaped as its tensor) to its destination, and finish the entries.
+) -> bool:
+    """Deliver a steady-state batch: scale by ``factor``, hand each entry its piece (a view of
+    ``data`` shaped as its tensor), and finish the entries. Returns whether a piece was lent.
 
-    Large tensors are scaled straight into their destinations (one pass over the data); many
-    small ones are cheaper scaled in the buffer by one operation, then copied by another.
+    An entry that allows it (``Entry.lend``) gets a view of its piece as its result, which
+    saves a pass over the data; the buffer is then only written again once no tensor refers
+    to it (see ``_claim``). Other entries get a copy: large tensors are scaled straight into
+    their destinations (one pass over the data); many small ones are cheaper scaled in the
+    buffer by one operation, then copied by another.
     """
+    destinations = [_destination(entry) for entry in entries]
+    results: list[torch.Tensor | None] = list(destinations)
+    lent = False
     with _writing_to_inference(entries):
+        copies = []
+        for index, (entry, dest) in enumerate(zip(entries, destinations)):
+            if dest is None:
+                continue
+            piece = pieces[entry.request.name]
+            if entry.lend and dest.is_cpu and dest.dtype == piece.dtype and not dest.is_inference():
+                results[index] = piece.detach()
+                lent = True
+            else:
+                copies.append((dest, piece))
         each = (
             factor != 1.0
+            and not lent
             and data.dtype not in (torch.float16, torch.bfloat16)
             and data.numel() >= _SCALE_EACH_FROM * max(len(entries), 1)
         )
-        destinations = [_destination(entry) for entry in entries]
         if each:
-            for entry, dest in zip(entries, destinations):
-                if dest is None:
-                    continue
-                piece = pieces[entry.request.name]
+            for dest, piece in copies:
                 if dest.device == piece.device and dest.dtype == piece.dtype:
                     torch.mul(piece, factor, out=dest)
                 else:
@@ -1494,21 +1539,88 @@ def _deliver(
             scaled = _scale(data, factor)
             if scaled is not data:
                 data.copy_(scaled)
-            pairs = [
-                (dest, pieces[entry.request.name])
-                for entry, dest in zip(entries, destinations)
-                if dest is not None
-            ]
-            if pairs:
-                torch._foreach_copy_([d for d, _ in pairs], [p for _, p in pairs])
-    for entry, dest in zip(entries, destinations):
-        _finish(entry, dest)
+            if copies:
+                torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
+    for entry, result in zip(entries, results):
+        _finish(entry, result)
+    return lent
 
 
-# The mean elements per tensor from which _deliver scales each tensor on its own (measured:
-# 29 tensors of 2.7k elements on average took half the time scaled in the buffer first; 6 of
-# 310k took a fifth more).
+# The mean elements per tensor from which tensors are scaled one by one rather than in their
+# buffer by one operation (measured: 29 tensors of 2.7k elements on average took half the time
+# scaled in the buffer first; 6 of 310k took a fifth more).
 _SCALE_EACH_FROM = 1 << 16
+
+
+def _stage(schedule: steady.Schedule, number: int, name: str, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` into its piece of batch ``number``'s buffer, scaled when the batch's
+    tensors are scaled one by one (see ``Schedule.scale_each``)."""
+    # detach(), not no_grad(): a gradient needs neither, and the mode switch costs more than
+    # the copy of a small tensor.
+    source = tensor.detach() if tensor.requires_grad else tensor
+    piece = schedule.pieces[name]
+    if not schedule.scale_each[number]:
+        piece.copy_(source)
+    elif source.device == piece.device:
+        torch.mul(source, schedule.factors[number], out=piece)
+    else:
+        piece.copy_(source).mul_(schedule.factors[number])
+
+
+class _BatchBuffer(NamedTuple):
+    """A steady-state batch's buffer and the engine's views of it."""
+
+    buffer: torch.Tensor
+    data: torch.Tensor
+    codes: torch.Tensor
+    pieces: dict[str, torch.Tensor]
+    baseline: tuple[int, int]
+
+
+def _batch_buffer(batch: list[Request], counts: list[int], ranks: int) -> _BatchBuffer:
+    """Allocate a batch's buffer: its tensors' data, then one slot per rank for its code."""
+    total = sum(counts)
+    buffer = torch.empty(total + ranks, dtype=_torch_dtype(batch[0].dtype))
+    pieces = {}
+    offset = 0
+    for request, count in zip(batch, counts):
+        # Shaped as the tensor: staging copies it without a reshape.
+        pieces[request.name] = buffer[offset : offset + count].view(request.shape)
+        offset += count
+    data, codes = buffer[:total], buffer[total:]
+    return _BatchBuffer(buffer, data, codes, pieces, _storage_references(buffer))
+
+
+def _install(schedule: steady.Schedule, number: int, batch_buffer: _BatchBuffer) -> None:
+    schedule.buffers[number] = batch_buffer.buffer
+    schedule.data[number] = batch_buffer.data
+    schedule.codes[number] = batch_buffer.codes
+    schedule.pieces.update(batch_buffer.pieces)
+    schedule.baselines[number] = batch_buffer.baseline
+
+
+def _installed(schedule: steady.Schedule, number: int) -> _BatchBuffer:
+    names = [request.name for request in schedule.batches[number]]
+    return _BatchBuffer(
+        schedule.buffers[number],
+        schedule.data[number],
+        schedule.codes[number],
+        {name: schedule.pieces[name] for name in names},
+        schedule.baselines[number],
+    )
+
+
+def _storage_references(buffer: torch.Tensor) -> tuple[int, int]:
+    """How many tensors refer to ``buffer``'s memory, and the references to its storage
+    object from Python (a caller that kept ``grad.untyped_storage()`` holds no tensor)."""
+    storage = buffer.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+def _in_use(batch_buffer: _BatchBuffer) -> bool:
+    """Whether anything but the engine's own views still refers to a batch's buffer."""
+    tensors, objects = _storage_references(batch_buffer.buffer)
+    return tensors > batch_buffer.baseline[0] or objects > batch_buffer.baseline[1]
 
 
 def _finish(entry: Entry, result: Any) -> None:

@@ -95,6 +95,19 @@ class Schedule:
     codes: list[Any] = field(default_factory=list)
     # Batches whose buffer the transport holds now (the engine's lock guards it).
     in_flight: set[int] = field(default_factory=set)
+    # Per batch: the factor its tensors are multiplied by before the sum (the prescale factor,
+    # divided by the number of ranks for an average, as DDP divides gradients into its
+    # buckets), and whether each tensor is scaled as it is staged (large tensors: one pass)
+    # rather than the whole buffer once before it is sent.
+    factors: list[float] = field(default_factory=list)
+    scale_each: list[bool] = field(default_factory=list)
+    # Per batch: the references to its buffer's storage that are the engine's own (see
+    # hora.common.engine._storage_references).
+    baselines: list[tuple[int, int]] = field(default_factory=list)
+    # Batches whose last results were lent out as views of their buffer (the engine's lock
+    # guards it), and per batch a second buffer to turn to while a lent one is still used.
+    lent: set[int] = field(default_factory=set)
+    spares: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for number, batch in enumerate(self.batches):

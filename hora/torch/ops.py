@@ -204,9 +204,14 @@ class RepeatedAllreduce:
     request are made only when the tensor's dtype, shape or device (or the engine, after an
     elastic reset) changes; otherwise a call only queues the tensor. ``DistributedOptimizer``'s
     gradient hooks use it: they run on backward's critical path, once per parameter per step.
+
+    With ``lend=True`` the result may instead be a view of the engine's steady-state buffer,
+    with ``tensor`` left as it was: the caller adopts it (``tensor.set_(result)``), which saves
+    copying the result into ``tensor``. The engine writes that buffer again only once no
+    tensor refers to it.
     """
 
-    __slots__ = ("_dtype", "_engine", "_fields", "_name", "_process_set", "_request")
+    __slots__ = ("_dtype", "_engine", "_fields", "_lend", "_name", "_process_set", "_request")
 
     def __init__(
         self,
@@ -215,9 +220,11 @@ class RepeatedAllreduce:
         prescale_factor: float,
         postscale_factor: float,
         process_set: ProcessSet,
+        lend: bool = False,
     ) -> None:
         _check_reduction(RequestType.ALLREDUCE, [], op)
         self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
+        self._lend = lend
         self._process_set = process_set
         self._fields = {
             "reduce_op": op,
@@ -249,7 +256,7 @@ class RepeatedAllreduce:
         if tensor.is_cuda:
             _engine_stream_waits_for_caller(tensor.device)
         handle = Handle(1, kind)
-        engine.enqueue([Entry(request, tensor, tensor, handle)])
+        engine.enqueue([Entry(request, tensor, tensor, handle, lend=self._lend)])
         return _register(handle)
 
 

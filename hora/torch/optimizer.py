@@ -91,7 +91,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p not in self._group_of:
                 self._reducers[p] = ops.RepeatedAllreduce(
-                    self._parameter_names[p], self._op, prescale, postscale, self._process_set
+                    self._parameter_names[p],
+                    self._op,
+                    prescale,
+                    postscale,
+                    self._process_set,
+                    lend=True,
                 )
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
 
@@ -299,11 +304,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 group["params"] = params_of_group
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        compression_ctx, _, was_sparse = ctx
+        compression_ctx, submitted, was_sparse = ctx
         result = self._compression.decompress(output, compression_ctx)
-        assert p.grad is not None
-        if result.data_ptr() != p.grad.data_ptr() or result.dtype != p.grad.dtype:
-            p.grad.copy_(result)
+        grad = p.grad
+        assert grad is not None
+        if (
+            result is output
+            and output is not submitted
+            and output.dtype == grad.dtype
+            and output.shape == grad.shape
+            and output.device == grad.device
+        ):
+            # The engine lent its buffer's view instead of writing into the submitted tensor
+            # (see RepeatedAllreduce): the gradient adopts that memory, as Horovod's optimizer
+            # adopts its results (``set_``), instead of copying it.
+            grad.set_(result)
+        elif result.data_ptr() != grad.data_ptr() or result.dtype != grad.dtype:
+            grad.copy_(result)
         if was_sparse:
             p.grad = p.grad.to_sparse()
 

@@ -19,16 +19,16 @@ BATCH = 12  # divisible by 2 and 3, so every rank's slice has the same size
 STEPS = 4
 
 
-def _model(seed: int) -> Any:
+def _model(seed: int, hidden: int = 8) -> Any:
     import torch
 
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(6, 8),
+        torch.nn.Linear(6, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(8, 8),
+        torch.nn.Linear(hidden, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(8, 1),
+        torch.nn.Linear(hidden, 1),
     )
 
 
@@ -51,13 +51,17 @@ def _train(
     passes: int = 1,
     compression: str = "none",
     float64_from: int | None = None,
+    steps: int = STEPS,
+    hidden: int = 8,
+    set_to_none: bool = True,
+    observe: Any = None,
     **wrap: Any,
 ) -> float:
     """Train hora and a one-process reference side by side; return the largest difference.
 
     ``float64_from``: the step from which both models are in float64 (``model.double()``);
     the steps before it reduce float32 gradients but update nothing, so that the models are
-    still equal when float64 starts.
+    still equal when float64 starts. ``observe(model)`` runs after each step.
     """
     import torch
 
@@ -65,7 +69,7 @@ def _train(
 
     rank, size = hvd.rank(), hvd.size()
     make = OPTIMIZERS[optimizer_name]
-    model = _model(seed=100 + rank)  # ranks start apart; broadcast_parameters must fix it
+    model = _model(100 + rank, hidden)  # ranks start apart; broadcast_parameters must fix it
     optimizer = hvd.DistributedOptimizer(
         make(model.parameters(), torch),
         named_parameters=model.named_parameters(),
@@ -75,13 +79,13 @@ def _train(
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    reference = _model(seed=100)
+    reference = _model(100, hidden)
     reference_optimizer = make(reference.parameters(), torch)
     data = torch.Generator().manual_seed(7)
     per_rank = BATCH // size
     dtype = torch.float32
     rate = optimizer.param_groups[0]["lr"]
-    for step in range(STEPS):
+    for step in range(steps):
         if float64_from is not None:
             for group in optimizer.param_groups + reference_optimizer.param_groups:
                 group["lr"] = rate if step >= float64_from else 0.0
@@ -89,8 +93,8 @@ def _train(
             dtype = torch.float64
             model.double()
             reference.double()
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        reference_optimizer.zero_grad(set_to_none=set_to_none)
         for _ in range(passes):
             x = torch.randn(BATCH, 6, generator=data).to(dtype)
             y = torch.randn(BATCH, 1, generator=data).to(dtype)
@@ -99,6 +103,8 @@ def _train(
             torch.nn.functional.mse_loss(reference(x), y).backward()
         optimizer.step()
         reference_optimizer.step()
+        if observe is not None:
+            observe(model)
     return max(
         (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
     )
@@ -153,6 +159,78 @@ def test_options_keep_training_equivalent(
 ) -> None:
     for rank, observed in enumerate(equivalence):
         assert observed[case] < tolerance, f"rank {rank}: {case} differs by {observed[case]}"
+
+
+def _lending_worker() -> dict[str, Any]:
+    """Steady-state training whose gradients adopt views of the engine's buffers (see
+    hora.torch.ops.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
+    zeroed in place, and with a caller that keeps every step's gradients."""
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    engine = basics._state.engine
+    assert engine is not None
+    out: dict[str, Any] = {}
+    # 600 wide: one batch of large tensors (scaled one by one as they are staged) and one of
+    # small ones (scaled in the buffer).
+    steps, hidden = 10, 600
+    kept: list[tuple[Any, Any]] = []
+    storage: list[Any] = []
+
+    def train(case: str, set_to_none: bool, keep: str = "") -> None:
+        # Per step: how many gradients' memory is distinct, and the buffers allocated so far.
+        storages, buffers = out.setdefault(case + "_storages", []), []
+
+        def observe(model: Any) -> None:
+            grads = [p.grad for p in model.parameters()]
+            storages.append(len({g.untyped_storage().data_ptr() for g in grads}))
+            buffers.append(engine.steady_stats["buffers"])
+            if keep == "tensors":
+                kept.extend((g, g.clone()) for g in grads)
+            elif keep == "storage" and len(storages) == steps - 4:
+                # Only the storage object of one gradient, no tensor: it stays unchanged too.
+                storage.extend([grads[0].untyped_storage(), bytes(grads[0].untyped_storage())])
+
+        out[case] = _train(
+            "sgd_momentum", steps=steps, hidden=hidden, set_to_none=set_to_none, observe=observe
+        )
+        # Buffers allocated in each of the last 4 steps, when the steady state has settled.
+        out[case + "_buffers"] = [b - a for a, b in zip(buffers[-5:], buffers[-4:])]
+        out[case + "_batches"] = len(engine._schedule.batches) if engine._schedule else 0
+
+    train("set_to_none", True)
+    train("zeroed_in_place", False)
+    train("kept", True, keep="tensors")
+    train("storage_kept", True, keep="storage")
+    out["kept_changed"] = sum(not held.equal(copy) for held, copy in kept)
+    out["storage_changed"] = bytes(storage[0]) != storage[1]
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np", [2, 3])
+def test_steady_state_gradients_adopt_the_engines_buffers_safely(np: int) -> None:
+    for rank, observed in enumerate(run_job(_lending_worker, np, timeout_s=120)):
+        for case in ("set_to_none", "zeroed_in_place", "kept", "storage_kept"):
+            assert observed[case] < 1e-5, f"rank {rank}: {case} differs by {observed[case]}"
+            # The steady-state steps' gradients share their batches' buffers (6 parameters in
+            # 2 batches); the first, negotiated steps' gradients are autograd's own tensors.
+            assert observed[case + "_batches"] == 2, (rank, case, observed)
+            assert observed[case + "_storages"][0] == 6, (rank, case, observed)
+            assert observed[case + "_storages"][-1] == 2, (rank, case, observed)
+        # Gradients reset to None each step free the lent views: one buffer per batch serves.
+        # Gradients kept and zeroed in place hold the buffer they adopted: each batch
+        # alternates between two, allocated once.
+        assert observed["set_to_none_buffers"] == [0, 0, 0, 0], observed
+        assert observed["zeroed_in_place_buffers"] == [0, 0, 0, 0], observed
+        # Gradients a caller keeps are never written again: every batch takes a new buffer.
+        assert observed["kept_buffers"] == [2, 2, 2, 2], observed
+        assert observed["kept_changed"] == 0, observed
+        # A storage object kept alone holds its batch's buffer, which is replaced once.
+        assert observed["storage_kept_buffers"] == [1, 0, 0, 0], observed
+        assert not observed["storage_changed"], observed
 
 
 def _behaviour_worker() -> dict[str, Any]:

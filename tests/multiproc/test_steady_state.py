@@ -3,7 +3,9 @@ negotiation, and anything that breaks the pattern falls back to negotiation with
 results, the same errors as without it, and no hang.
 
 Tensors hold small integers, so sums are exact whatever the fusion layout or reduction order,
-and every result can be checked exactly inside the worker.
+and every result is checked inside the worker. An average is exact too, up to the rounding of
+its division: the steady state divides each tensor by the number of ranks before the sum (as
+DDP does), negotiation divides the sum, and with 3 ranks the two may differ in the last bit.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from .jobs import run_failing_job, run_job
 # Sizes chosen so that one period is cut into several batches (the first closes past 1 MiB).
 SIZES = (1000, 300_000, 10, 200_000, 50, 400_000)
 STEPS = 14
+# The largest relative error allowed: a few float32 roundings, where a wrong result is off by
+# at least 1/3.
+TOLERANCE = 1e-6
 
 
 def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
@@ -48,13 +53,18 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
         assert isinstance(total, torch.Tensor)
         return total / size
 
+    def error(out: torch.Tensor, want: torch.Tensor | float) -> float:
+        """The largest relative error of ``out``."""
+        want = torch.as_tensor(want, dtype=out.dtype)
+        return float(((out - want).abs() / want.abs().clamp(min=1.0)).max())
+
     worst = 0.0
     if variant == "rotated":
         # The second half of a step first: the repeating sequence, and so the schedule, then
         # starts in the middle of a step.
         for i in (3, 4, 5):
             out = hvd.allreduce(grad(i, -1, rank, SIZES[i]), name=f"grad.{i}")
-            worst = max(worst, float((out - expected(i, -1, SIZES[i])).abs().max()))
+            worst = max(worst, error(out, expected(i, -1, SIZES[i])))
     for step in range(steps):
         if variant == "dies" and step == 8 and rank == 1:
             os._exit(3)
@@ -68,7 +78,7 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
         if variant == "metric_first":
             # A synchronous op before the gradients: the user waits on it every step.
             metric = hvd.allreduce(torch.tensor([float(rank + step)]), name="metric")
-            worst = max(worst, abs(float(metric) - (step + (size - 1) / 2)))
+            worst = max(worst, error(metric, step + (size - 1) / 2))
         order = list(range(len(SIZES)))
         # ("rotated": not before the schedule is there, at the middle of step 1)
         reverse = rank == 0 and step % 3 == {"reversed": 1, "rotated": 2}.get(variant, -1)
@@ -112,10 +122,10 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
                 results.setdefault("errors", []).append(f"step {step}: {exc}")
                 continue
             if i == "x":
-                worst = max(worst, float((out - size).abs().max()))
+                worst = max(worst, error(out, float(size)))
             else:
                 assert isinstance(i, int)
-                worst = max(worst, float((out - expected(i, step, SIZES[i])).abs().max()))
+                worst = max(worst, error(out, expected(i, step, SIZES[i])))
         if "errors" in results:
             break
     engine = basics._state.engine
@@ -130,7 +140,7 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
 @pytest.mark.parametrize("np", [2, 3])
 def test_a_repeating_loop_runs_in_the_steady_state(np: int) -> None:
     for result in run_job(_steady_worker, np, "plain", STEPS):
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         stats = result["stats"]
         assert stats["entered"] == 1 and stats["left"] == 0, stats
         # Two steps are negotiated to learn the period; most of the rest are replayed.
@@ -146,7 +156,7 @@ def test_a_rank_busy_elsewhere_longer_than_the_gloo_timeout_is_waited_for(np: in
     results = run_job(_steady_worker, np, "pause", STEPS, env=env)
     for result in results:
         assert "errors" not in result, result
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         assert result["stats"]["left"] == 0, result["stats"]
     # The stall is reported by the rank that keeps the others waiting, naming its tensors.
     warnings = results[0].get("warnings", [])
@@ -190,8 +200,14 @@ def test_a_stall_in_the_steady_state_ends_the_job_after_the_stall_shutdown_time(
 def test_the_steady_state_can_be_turned_off() -> None:
     env = {"HORA_STEADY_STATE": "0"}
     for result in run_job(_steady_worker, 2, "plain", 6, env=env):
-        assert result["worst"] == 0.0
-        assert result["stats"] == {"entered": 0, "left": 0, "blocked": 0, "batches": 0}
+        assert result["worst"] <= TOLERANCE
+        assert result["stats"] == {
+            "entered": 0,
+            "left": 0,
+            "blocked": 0,
+            "batches": 0,
+            "buffers": 0,
+        }
 
 
 @pytest.mark.timeout(120)
@@ -200,7 +216,7 @@ def test_an_op_outside_the_pattern_falls_back_and_the_pattern_resumes(np: int) -
     # At step 6 rank 0 submits an extra allreduce before its gradients, the others after.
     for result in run_job(_steady_worker, np, "extra_op", STEPS + 4):
         assert "errors" not in result, result
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         stats = result["stats"]
         assert stats["left"] == 1 and stats["entered"] == 2, stats
 
@@ -213,7 +229,7 @@ def test_a_deviation_seen_while_some_ranks_run_the_next_batch(np: int) -> None:
     # rest). Every rank must run the second batch once anyway, then negotiate together.
     for result in run_job(_steady_worker, np, "extra_op_wait", STEPS + 4):
         assert "errors" not in result, result
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         stats = result["stats"]
         assert stats["left"] == 1 and stats["entered"] == 2, stats
 
@@ -221,7 +237,7 @@ def test_a_deviation_seen_while_some_ranks_run_the_next_batch(np: int) -> None:
 @pytest.mark.timeout(120)
 def test_a_rank_submitting_in_another_order_stays_in_the_steady_state() -> None:
     for result in run_job(_steady_worker, 2, "reversed", STEPS):
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         stats = result["stats"]
         # The order never counts as a deviation. Where the repeating sequence was first seen
         # depends on timing; a first schedule that started mid-step can put a step's last
@@ -238,7 +254,7 @@ def test_a_schedule_starting_mid_step_accepts_the_next_steps_tensors_early(np: i
     # reverse hands in that half before the first: the tensors wait for their batch.
     for result in run_job(_steady_worker, np, "rotated", STEPS):
         assert "errors" not in result, result
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         stats = result["stats"]
         assert stats["entered"] == 1 and stats["left"] == 0, stats
         assert stats["batches"] >= (STEPS - 4) * 2, stats
@@ -252,7 +268,7 @@ def test_a_user_waiting_inside_a_batch_teaches_the_schedule_where_to_cut(np: int
     # and cut the batch there the next time.
     for result in run_job(_steady_worker, np, "metric_first", STEPS + 6):
         assert "errors" not in result, result
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         stats = result["stats"]
         assert stats["left"] == 1 and stats["entered"] == 2, stats
 
@@ -308,6 +324,6 @@ def _lone_tensor_worker(steps: int) -> dict[str, Any]:
 def test_a_step_of_one_large_tensor_stays_negotiated() -> None:
     # Negotiated, a lone tensor is reduced in place; a schedule would copy it in and out.
     for result in run_job(_lone_tensor_worker, 2, 8):
-        assert result["worst"] == 0.0
+        assert result["worst"] <= TOLERANCE
         assert result["large"]["entered"] == 0, result
         assert result["small"]["entered"] == 1 and result["small"]["batches"] >= 3, result
