@@ -681,8 +681,9 @@ class Engine:
         under its holder. Called with the engine's lock held.
 
         A training loop that resets its gradients to ``None`` (``zero_grad()``'s default) before
-        the next backward frees every lent view, so one buffer serves every step; one that keeps
-        its gradients alternates between two.
+        the next backward frees every lent view, so one buffer serves every step; gradients kept
+        across steps stay views of the buffer they adopted first (DistributedOptimizer then
+        copies into them), and the batch stages into a second one.
         """
         schedule.lent.discard(number)
         current = _installed(schedule, number)
@@ -1588,7 +1589,7 @@ def _batch_buffer(batch: list[Request], counts: list[int], ranks: int) -> _Batch
         pieces[request.name] = buffer[offset : offset + count].view(request.shape)
         offset += count
     data, codes = buffer[:total], buffer[total:]
-    return _BatchBuffer(buffer, data, codes, pieces, _storage_references(buffer))
+    return _BatchBuffer(buffer, data, codes, pieces, storage_references(buffer))
 
 
 def _install(schedule: steady.Schedule, number: int, batch_buffer: _BatchBuffer) -> None:
@@ -1610,16 +1611,27 @@ def _installed(schedule: steady.Schedule, number: int) -> _BatchBuffer:
     )
 
 
-def _storage_references(buffer: torch.Tensor) -> tuple[int, int]:
-    """How many tensors refer to ``buffer``'s memory, and the references to its storage
+def storage_references(tensor: torch.Tensor) -> tuple[int, int]:
+    """How many tensors refer to ``tensor``'s memory, and the references to its storage
     object from Python (a caller that kept ``grad.untyped_storage()`` holds no tensor)."""
-    storage = buffer.untyped_storage()
+    storage = tensor.untyped_storage()
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+# The references to the memory of a tensor that nothing else shares.
+_SOLE = storage_references(torch.empty(1))
+
+
+def owns_its_memory(tensor: torch.Tensor) -> bool:
+    """Whether no other tensor (a view, or a buffer it is a view of) shares ``tensor``'s
+    memory and no storage object of it is held."""
+    tensors, objects = storage_references(tensor)
+    return tensors <= _SOLE[0] and objects <= _SOLE[1]
 
 
 def _in_use(batch_buffer: _BatchBuffer) -> bool:
     """Whether anything but the engine's own views still refers to a batch's buffer."""
-    tensors, objects = _storage_references(batch_buffer.buffer)
+    tensors, objects = storage_references(batch_buffer.buffer)
     return tensors > batch_buffer.baseline[0] or objects > batch_buffer.baseline[1]
 
 

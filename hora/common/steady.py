@@ -102,7 +102,7 @@ class Schedule:
     factors: list[float] = field(default_factory=list)
     scale_each: list[bool] = field(default_factory=list)
     # Per batch: the references to its buffer's storage that are the engine's own (see
-    # hora.common.engine._storage_references).
+    # hora.common.engine.storage_references).
     baselines: list[tuple[int, int]] = field(default_factory=list)
     # Batches whose last results were lent out as views of their buffer (the engine's lock
     # guards it), and per batch a second buffer to turn to while a lent one is still used.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hora.common import basics
+from hora.common.engine import owns_its_memory
 from hora.common.message import ReduceOp
 from hora.common.process_sets import ProcessSet
 from hora.common.timeline import TRAINING_ROW
@@ -314,10 +315,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             and output.dtype == grad.dtype
             and output.shape == grad.shape
             and output.device == grad.device
+            and owns_its_memory(grad)
         ):
             # The engine lent its buffer's view instead of writing into the submitted tensor
             # (see RepeatedAllreduce): the gradient adopts that memory, as Horovod's optimizer
-            # adopts its results (``set_``), instead of copying it.
+            # adopts its results (``set_``), instead of copying it. Not where the gradient is
+            # a view of memory the caller arranged (a flat buffer of all gradients, or the
+            # engine's buffer it adopted before, kept by zero_grad(set_to_none=False)): the
+            # result is written into it, where such a caller looks for it.
             grad.set_(result)
         elif result.data_ptr() != grad.data_ptr() or result.dtype != grad.dtype:
             grad.copy_(result)

@@ -55,13 +55,15 @@ def _train(
     hidden: int = 8,
     set_to_none: bool = True,
     observe: Any = None,
+    prepare: Any = None,
     **wrap: Any,
 ) -> float:
     """Train hora and a one-process reference side by side; return the largest difference.
 
     ``float64_from``: the step from which both models are in float64 (``model.double()``);
     the steps before it reduce float32 gradients but update nothing, so that the models are
-    still equal when float64 starts. ``observe(model)`` runs after each step.
+    still equal when float64 starts. ``prepare(model)`` runs before the first step,
+    ``observe(model)`` after each step.
     """
     import torch
 
@@ -79,6 +81,8 @@ def _train(
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if prepare is not None:
+        prepare(model)
     reference = _model(100, hidden)
     reference_optimizer = make(reference.parameters(), torch)
     data = torch.Generator().manual_seed(7)
@@ -178,7 +182,7 @@ def _lending_worker() -> dict[str, Any]:
     kept: list[tuple[Any, Any]] = []
     storage: list[Any] = []
 
-    def train(case: str, set_to_none: bool, keep: str = "") -> None:
+    def train(case: str, set_to_none: bool, keep: str = "", prepare: Any = None) -> None:
         # Per step: how many gradients' memory is distinct, and the buffers allocated so far.
         storages, buffers = out.setdefault(case + "_storages", []), []
 
@@ -193,7 +197,12 @@ def _lending_worker() -> dict[str, Any]:
                 storage.extend([grads[0].untyped_storage(), bytes(grads[0].untyped_storage())])
 
         out[case] = _train(
-            "sgd_momentum", steps=steps, hidden=hidden, set_to_none=set_to_none, observe=observe
+            "sgd_momentum",
+            steps=steps,
+            hidden=hidden,
+            set_to_none=set_to_none,
+            observe=observe,
+            prepare=prepare,
         )
         # Buffers allocated in each of the last 4 steps, when the steady state has settled.
         out[case + "_buffers"] = [b - a for a, b in zip(buffers[-5:], buffers[-4:])]
@@ -203,6 +212,20 @@ def _lending_worker() -> dict[str, Any]:
     train("zeroed_in_place", False)
     train("kept", True, keep="tensors")
     train("storage_kept", True, keep="storage")
+    flat: list[Any] = []
+
+    def flat_gradients(model: Any) -> None:
+        # The caller's own layout: every gradient a view of one flat buffer, kept across steps.
+        import torch
+
+        params = list(model.parameters())
+        flat.append(torch.zeros(sum(p.numel() for p in params)))
+        offset = 0
+        for p in params:
+            p.grad = flat[0][offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    train("flat_buffer", False, prepare=flat_gradients)
     out["kept_changed"] = sum(not held.equal(copy) for held, copy in kept)
     out["storage_changed"] = bytes(storage[0]) != storage[1]
     hvd.shutdown()
@@ -213,16 +236,20 @@ def _lending_worker() -> dict[str, Any]:
 @pytest.mark.parametrize("np", [2, 3])
 def test_steady_state_gradients_adopt_the_engines_buffers_safely(np: int) -> None:
     for rank, observed in enumerate(run_job(_lending_worker, np, timeout_s=120)):
-        for case in ("set_to_none", "zeroed_in_place", "kept", "storage_kept"):
+        for case in ("set_to_none", "zeroed_in_place", "kept", "storage_kept", "flat_buffer"):
             assert observed[case] < 1e-5, f"rank {rank}: {case} differs by {observed[case]}"
+            assert observed[case + "_batches"] == 2, (rank, case, observed)
+        # Gradients that are views of the caller's own flat buffer stay there: results are
+        # written into them.
+        assert set(observed["flat_buffer_storages"]) == {1}, observed
+        for case in ("set_to_none", "zeroed_in_place", "kept", "storage_kept"):
             # The steady-state steps' gradients share their batches' buffers (6 parameters in
             # 2 batches); the first, negotiated steps' gradients are autograd's own tensors.
-            assert observed[case + "_batches"] == 2, (rank, case, observed)
             assert observed[case + "_storages"][0] == 6, (rank, case, observed)
             assert observed[case + "_storages"][-1] == 2, (rank, case, observed)
         # Gradients reset to None each step free the lent views: one buffer per batch serves.
-        # Gradients kept and zeroed in place hold the buffer they adopted: each batch
-        # alternates between two, allocated once.
+        # Gradients kept and zeroed in place hold the buffer they adopted first and get the
+        # results copied into it: each batch stages into a second one, allocated once.
         assert observed["set_to_none_buffers"] == [0, 0, 0, 0], observed
         assert observed["zeroed_in_place_buffers"] == [0, 0, 0, 0], observed
         # Gradients a caller keeps are never written again: every batch takes a new buffer.
