@@ -1512,18 +1512,20 @@ def _deliver(
     """
     destinations = [_destination(entry) for entry in entries]
     results: list[torch.Tensor | None] = list(destinations)
+    copies = []
     lent = False
+    for index, (entry, dest) in enumerate(zip(entries, destinations)):
+        if dest is None:
+            continue
+        piece = pieces[entry.request.name]
+        if entry.lend and dest.is_cpu and dest.dtype == piece.dtype and not dest.is_inference():
+            # A view of its own (outside inference mode), so that the buffer's references
+            # count whoever keeps it.
+            results[index] = piece.detach()
+            lent = True
+        else:
+            copies.append((dest, piece))
     with _writing_to_inference(entries):
-        copies = []
-        for index, (entry, dest) in enumerate(zip(entries, destinations)):
-            if dest is None:
-                continue
-            piece = pieces[entry.request.name]
-            if entry.lend and dest.is_cpu and dest.dtype == piece.dtype and not dest.is_inference():
-                results[index] = piece.detach()
-                lent = True
-            else:
-                copies.append((dest, piece))
         each = (
             factor != 1.0
             and not lent
