@@ -450,7 +450,7 @@ class Engine:
                 wake = True
                 continue
             tensor = entry.tensor
-            number = schedule.slots[request.name][0]
+            number = schedule.index[request.name][0]
             if tensor is not None and number not in schedule.in_flight:
                 if number in schedule.lent:
                     self._claim(schedule, number)
@@ -657,12 +657,10 @@ class Engine:
         )
         # One buffer per batch, reused every period (no allocation, no page faults per step);
         # after the data, one slot per rank for its code (see hora.common.steady).
-        schedule.buffers = [None] * len(schedule.batches)
-        schedule.data = [None] * len(schedule.batches)
-        schedule.codes = [None] * len(schedule.batches)
-        schedule.baselines = [(0, 0)] * len(schedule.batches)
-        for number, (batch, counts) in enumerate(zip(schedule.batches, schedule.sizes)):
-            _install(schedule, number, _batch_buffer(batch, counts, self.size))
+        for batch, counts in zip(schedule.batches, schedule.sizes):
+            batch_buffer = _batch_buffer(batch, counts, self.size)
+            schedule.batch_buffers.append(batch_buffer)
+            schedule.pieces.update(batch_buffer.pieces)
             factor = batch[0].prescale
             if batch[0].reduce_op == ReduceOp.AVERAGE:
                 factor /= self.size
@@ -686,14 +684,15 @@ class Engine:
         copies into them), and the batch stages into a second one.
         """
         schedule.lent.discard(number)
-        current = _installed(schedule, number)
+        current = schedule.batch_buffers[number]
         if not _in_use(current):
             return
         spare = schedule.spares.get(number)
         if spare is None or _in_use(spare):
             spare = _batch_buffer(schedule.batches[number], schedule.sizes[number], self.size)
             self.steady_stats["buffers"] += 1
-        _install(schedule, number, spare)
+        schedule.batch_buffers[number] = spare
+        schedule.pieces.update(spare.pieces)
         # The buffer still in use is kept as the spare: it is free again once its holder lets go.
         schedule.spares[number] = current
 
@@ -782,8 +781,8 @@ class Engine:
         if position in schedule.lent:
             with self._wakeup:
                 self._claim(schedule, position)
-        buffer = schedule.buffers[position]
-        data, codes = schedule.data[position], schedule.codes[position]
+        batch_buffer = schedule.batch_buffers[position]
+        buffer, data, codes = batch_buffer.buffer, batch_buffer.data, batch_buffer.codes
         if code == steady.FOLLOWING:
             # Tensors are staged as they are submitted (see _admit), except those submitted
             # while this buffer was still on the wire.
@@ -844,7 +843,7 @@ class Engine:
             raise self._steady_error(flight, exc) from exc
         timeline = self.timeline
         done = timeline.now() if timeline is not None else 0
-        codes = schedule.codes[flight.position]
+        codes = schedule.batch_buffers[flight.position].codes
         if bool(codes.any()):
             with self._wakeup:
                 schedule.in_flight.discard(flight.position)
@@ -859,7 +858,7 @@ class Engine:
         postscale = schedule.batches[flight.position][0].postscale
         # Completed here rather than on the finisher: a hand-off between threads costs more
         # than the copy, and the next batch (if ready) is already running.
-        data = schedule.data[flight.position]
+        data = schedule.batch_buffers[flight.position].data
         finished = [e for e in flight.entries if e is not None]
         lent = _deliver(finished, data, schedule.pieces, postscale)
         with self._wakeup:
@@ -950,7 +949,7 @@ class Engine:
                 schedule.in_flight.discard(following.position)
         elif self._may_overlap(schedule):
             self._steady_started += 1
-            empty = torch.zeros_like(schedule.buffers[schedule.position])
+            empty = torch.zeros_like(schedule.batch_buffers[schedule.position].buffer)
             comm = self._communicators[0]
             comm.allreduce_async(empty, ReduceOp.SUM, self._steady_timeout_s).wait()
 
@@ -1594,30 +1593,18 @@ def _batch_buffer(batch: list[Request], counts: list[int], ranks: int) -> _Batch
     return _BatchBuffer(buffer, data, codes, pieces, storage_references(buffer))
 
 
-def _install(schedule: steady.Schedule, number: int, batch_buffer: _BatchBuffer) -> None:
-    schedule.buffers[number] = batch_buffer.buffer
-    schedule.data[number] = batch_buffer.data
-    schedule.codes[number] = batch_buffer.codes
-    schedule.pieces.update(batch_buffer.pieces)
-    schedule.baselines[number] = batch_buffer.baseline
-
-
-def _installed(schedule: steady.Schedule, number: int) -> _BatchBuffer:
-    names = [request.name for request in schedule.batches[number]]
-    return _BatchBuffer(
-        schedule.buffers[number],
-        schedule.data[number],
-        schedule.codes[number],
-        {name: schedule.pieces[name] for name in names},
-        schedule.baselines[number],
-    )
-
-
 def storage_references(tensor: torch.Tensor) -> tuple[int, int]:
     """How many tensors refer to ``tensor``'s memory, and the references to its storage
     object from Python (a caller that kept ``grad.untyped_storage()`` holds no tensor)."""
     storage = tensor.untyped_storage()
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+def _referenced_beyond(tensor: torch.Tensor, baseline: tuple[int, int]) -> bool:
+    """Whether ``tensor``'s memory has more references than ``baseline`` (see
+    ``storage_references``)."""
+    tensors, objects = storage_references(tensor)
+    return tensors > baseline[0] or objects > baseline[1]
 
 
 # The references to the memory of a tensor that nothing else shares.
@@ -1627,14 +1614,12 @@ _SOLE = storage_references(torch.empty(1))
 def owns_its_memory(tensor: torch.Tensor) -> bool:
     """Whether no other tensor (a view, or a buffer it is a view of) shares ``tensor``'s
     memory and no storage object of it is held."""
-    tensors, objects = storage_references(tensor)
-    return tensors <= _SOLE[0] and objects <= _SOLE[1]
+    return not _referenced_beyond(tensor, _SOLE)
 
 
 def _in_use(batch_buffer: _BatchBuffer) -> bool:
     """Whether anything but the engine's own views still refers to a batch's buffer."""
-    tensors, objects = storage_references(batch_buffer.buffer)
-    return tensors > batch_buffer.baseline[0] or objects > batch_buffer.baseline[1]
+    return _referenced_beyond(batch_buffer.buffer, batch_buffer.baseline)
 
 
 def _finish(entry: Entry, result: Any) -> None:

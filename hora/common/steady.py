@@ -78,21 +78,15 @@ class Schedule:
     batches: list[list[Request]]
     position: int = 0
     index: dict[str, tuple[int, Request]] = field(default_factory=dict)
-    # Per name: its batch and its offset (in elements) in the batch's buffer.
-    slots: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # Per batch: its buffer (the engine allocates them), reused every period.
-    buffers: list[Any] = field(default_factory=list)
     # The responses the schedule was cut from (to cut them again another way).
     period: list[Response] = field(default_factory=list)
-    # Per name: its piece of its batch's buffer (a view shaped as the tensor, made once with the
-    # buffers).
+    # Per batch: its buffer and the engine's views of it (the data, the ranks' codes, each
+    # tensor's piece), reused every period; see hora.common.engine._BatchBuffer.
+    batch_buffers: list[Any] = field(default_factory=list)
+    # Per name: its piece of its batch's current buffer (a view shaped as the tensor).
     pieces: dict[str, Any] = field(default_factory=dict)
     # Per batch: the elements of each of its tensors, in order.
     sizes: list[list[int]] = field(default_factory=list)
-    # Per batch: the views of its buffer that hold the data and the ranks' codes (made by the
-    # engine with the buffers).
-    data: list[Any] = field(default_factory=list)
-    codes: list[Any] = field(default_factory=list)
     # Batches whose buffer the transport holds now (the engine's lock guards it).
     in_flight: set[int] = field(default_factory=set)
     # Per batch: the factor its tensors are multiplied by before the sum (the prescale factor,
@@ -101,9 +95,6 @@ class Schedule:
     # rather than the whole buffer once before it is sent.
     factors: list[float] = field(default_factory=list)
     scale_each: list[bool] = field(default_factory=list)
-    # Per batch: the references to its buffer's storage that are the engine's own (see
-    # hora.common.engine.storage_references).
-    baselines: list[tuple[int, int]] = field(default_factory=list)
     # Batches whose last results were lent out as views of their buffer (the engine's lock
     # guards it), and per batch a second buffer to turn to while a lent one is still used.
     lent: set[int] = field(default_factory=set)
@@ -111,11 +102,8 @@ class Schedule:
 
     def __post_init__(self) -> None:
         for number, batch in enumerate(self.batches):
-            offset = 0
             for request in batch:
                 self.index[request.name] = (number, request)
-                self.slots[request.name] = (number, offset)
-                offset += request.num_elements
             self.sizes.append([request.num_elements for request in batch])
 
     @property
