@@ -98,7 +98,9 @@ class _Flight:
     started: int = 0
     issued: int = 0
     pending: Pending | None = None
-    # Set by the transport's completion callback, under the engine's lock.
+    # Whether the transport calls back when it is done (see Engine._watch), and then, set by
+    # that callback under the engine's lock, whether it is.
+    watched: bool = False
     done: bool = False
     # The number of this steady-state collective, the same on every rank (see _steady_started).
     steady_id: int = 0
@@ -761,14 +763,15 @@ class Engine:
     def _may_overlap(self, schedule: steady.Schedule) -> bool:
         """Whether the next batch may start before the one in flight has landed.
 
-        The same answer on every rank (it depends on agreed state only): one batch per period
-        would reuse the buffer in flight, and autotune scores and rebuilds the schedule between
-        periods, with nothing in flight.
+        Only within a period, and the same answer on every rank (it depends on agreed state
+        only). A period's last batch lands before the next period's first starts: a training
+        loop waits for a step's results before it submits the next step's gradients, so
+        nothing is lost, and the engine then waits for that batch in the transport itself
+        rather than on a callback (see ``_watch``). One batch per period would also reuse the
+        buffer in flight, and autotune scores and rebuilds the schedule between periods, with
+        nothing in flight.
         """
-        if len(schedule.batches) < 2:
-            return False
-        tuner = self._autotuner
-        return schedule.position != 0 or tuner is None or tuner.done
+        return len(schedule.batches) > 1 and schedule.position != 0
 
     def _start_batch(self, schedule: steady.Schedule, code: int, deviation: str | None) -> _Flight:
         """Fill the current batch's buffer (or zeros and this rank's code) and start it."""
@@ -814,11 +817,23 @@ class Engine:
         except TransportError:
             self._hand_back(entries)
             raise
-        flight.pending.on_done(lambda: self._landed(flight))
         return flight
 
+    def _watch(self, flight: _Flight) -> None:
+        """Have the transport wake the engine when ``flight`` is done (``flight.done``).
+
+        Only while the engine waits for the next batch's tensors with ``flight`` in the air: a
+        callback runs Python on the transport's thread, which costs more than the engine
+        waiting in the transport when nothing else is to be done (see ``_wait_for_peers``).
+        Called without the engine's lock: the callback takes it, at once if already done.
+        """
+        if not flight.watched:
+            flight.watched = True
+            assert flight.pending is not None
+            flight.pending.on_done(lambda: self._landed(flight))
+
     def _landed(self, flight: _Flight) -> None:
-        """Called by the transport when a batch's allreduce is done: wake the engine."""
+        """Called by the transport when a watched batch's allreduce is done: wake the engine."""
         with self._wakeup:
             flight.done = True
             self._wakeup.notify_all()
@@ -835,8 +850,8 @@ class Engine:
         """Wait for ``flight``; deliver its results or, if some rank deviated, leave."""
         schedule = flight.schedule
         assert flight.pending is not None
-        self._wait_for_peers(flight)
         try:
+            self._wait_for_peers(flight)
             flight.pending.wait()
         except TransportError as exc:
             self._hand_back(flight.entries + (following.entries if following else []))
@@ -892,15 +907,20 @@ class Engine:
         stall_after = self._stall_after_s
         if not stall_after:
             return
-        with self._wakeup:
-            deadline = time.monotonic() + stall_after
-            while not flight.done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._wakeup.wait(timeout=left)
-            if flight.done:
+        assert flight.pending is not None
+        if not flight.watched:
+            if flight.pending.wait(stall_after):
                 return
+        else:
+            with self._wakeup:
+                deadline = time.monotonic() + stall_after
+                while not flight.done:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wakeup.wait(timeout=left)
+                if flight.done:
+                    return
         names = _names([r.name for r in flight.schedule.batches[flight.position]])
         try:
             self._store.set_signed(self._waiting_key(flight.steady_id), str(self.rank).encode())
@@ -963,6 +983,8 @@ class Engine:
             when the batch in ``flight`` came back first.
         """
         needed = [r.name for r in schedule.current]
+        if flight is not None:
+            self._watch(flight)
         stall_after = self._stall_after_s
         started = time.monotonic()
         warned = False

@@ -19,8 +19,12 @@ class TransportError(RuntimeError):
 class Pending(Protocol):
     """A collective that was started and has not been waited for."""
 
-    def wait(self) -> None:
-        """Block until it is done; raise :class:`TransportError` if it failed."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until it is done, or for ``timeout_s`` at most; return whether it is done.
+
+        Raises :class:`TransportError` if it failed. Waiting here costs less than a callback
+        (no Python runs on the transport's thread when the operation completes).
+        """
 
     def on_done(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on any thread, or at once) when it is done or has failed."""

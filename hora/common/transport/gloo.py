@@ -49,11 +49,21 @@ class _GlooPending:
     def __init__(self, work: Any) -> None:
         self._work = work
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> bool:
+        work = self._work
         try:
-            self._work.wait()
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:
-            raise TransportError(str(exc)) from exc
+            if timeout_s is None:
+                raise TransportError(str(exc)) from exc
+            if not work.is_completed():
+                return False  # still running: only this wait timed out
+            # It finished (or failed) as the wait timed out: its own outcome.
+            return self.wait()
+        return True
 
     def on_done(self, callback: Callable[[], None]) -> None:
         self._work.get_future().add_done_callback(lambda _future: callback())
