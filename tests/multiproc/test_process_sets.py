@@ -51,6 +51,7 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
+    from hora.torch.ops import RepeatedAllreduce
 
     static = hvd.ProcessSet(range(size - 1))
     hvd.init(process_sets=[static])
@@ -71,9 +72,24 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     else:
         out["dynamic_outsider"] = error_of(lambda: hvd.allreduce(x, process_set=dynamic))
     out["duplicate_add"] = error_of(lambda: hvd.add_process_set(hvd.ProcessSet(range(1, size))))
+    # A gradient's repeated allreduce (DistributedOptimizer's) follows the set's removal and
+    # its return under another id.
+    reducer = RepeatedAllreduce("repeated", hvd.Sum, 1.0, 1.0, dynamic)
+
+    def repeat() -> list[float]:
+        return hvd.synchronize(reducer.submit(torch.ones(2))).tolist()
+
+    if dynamic.included():
+        out["repeated"] = [repeat(), repeat()]
     out["removed"] = hvd.remove_process_set(dynamic)
     out["removed_again"] = hvd.remove_process_set(dynamic)
     out["after_remove"] = error_of(lambda: hvd.allreduce(x, process_set=dynamic))
+    out["repeated_after_remove"] = error_of(repeat)
+    hvd.add_process_set(dynamic)
+    out["readded_id"] = dynamic.process_set_id
+    if dynamic.included():
+        out["repeated_readded"] = repeat()
+    hvd.remove_process_set(dynamic)
     out["remove_global"] = error_of(lambda: hvd.remove_process_set(hvd.global_process_set))
     out["global_after_remove"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after")
 
@@ -164,6 +180,21 @@ def test_dynamic_set_add_and_remove(job: Any) -> None:
         assert observed["removed_again"] is False
         assert_raised(observed["after_remove"], ValueError, "not registered")
         assert_raised(observed["remove_global"], ValueError, "global process set")
+
+
+@pytest.mark.timeout(120)
+def test_a_repeated_allreduce_follows_its_set_being_removed_and_added_again(job: Any) -> None:
+    np, ranks = job
+    for rank, observed in enumerate(ranks):
+        assert_raised(observed["repeated_after_remove"], ValueError, "not registered")
+        first_id = observed["dynamic"]["id"]
+        assert observed["readded_id"] not in (None, 0, first_id)
+        if rank == 0:
+            assert "repeated" not in observed and "repeated_readded" not in observed
+        else:
+            expected = [float(np - 1)] * 2
+            assert observed["repeated"] == [expected, expected]
+            assert observed["repeated_readded"] == expected
 
 
 @pytest.mark.timeout(120)

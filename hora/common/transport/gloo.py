@@ -91,6 +91,7 @@ class GlooCommunicator:
         except RuntimeError as exc:
             raise TransportError(f"could not connect the Gloo group: {exc}") from exc
         self._aborted = False
+        self._allreduce_options: dict[tuple[ReduceOp, float | None], Any] = {}
 
     def _run(self, work_fn: Any) -> None:
         if self._aborted:
@@ -108,10 +109,14 @@ class GlooCommunicator:
     ) -> _GlooPending:
         if self._aborted:
             raise TransportError("the communicator was aborted")
-        options = dist.AllreduceOptions()
-        options.reduceOp = _REDUCE_OPS[op]
-        if timeout_s is not None:
-            options.timeout = timedelta(seconds=timeout_s)
+        # Made once per op and timeout: the steady state starts one allreduce per batch.
+        options = self._allreduce_options.get((op, timeout_s))
+        if options is None:
+            options = dist.AllreduceOptions()
+            options.reduceOp = _REDUCE_OPS[op]
+            if timeout_s is not None:
+                options.timeout = timedelta(seconds=timeout_s)
+            self._allreduce_options[(op, timeout_s)] = options
         try:
             return _GlooPending(self._pg.allreduce([buffer], options))
         except RuntimeError as exc:
