@@ -98,10 +98,6 @@ class _Flight:
     started: int = 0
     issued: int = 0
     pending: Pending | None = None
-    # Whether the transport calls back when it is done (see Engine._watch), and then, set by
-    # that callback under the engine's lock, whether it is.
-    watched: bool = False
-    done: bool = False
     # The number of this steady-state collective, the same on every rank (see _steady_started).
     steady_id: int = 0
 
@@ -299,6 +295,8 @@ class Engine:
         self._schedule: steady.Schedule | None = None
         # The steady-state batch whose allreduce runs while the next one fills.
         self._flight: _Flight | None = None
+        # A user polled a result while a batch was held back (see _collect_batch).
+        self._polled = False
         self._held: dict[str, Entry] = {}
         self._taken: list[Entry] = []
         self._awaiting: set[str] = set()
@@ -774,10 +772,8 @@ class Engine:
         Only within a period, and the same answer on every rank (it depends on agreed state
         only). A period's last batch lands before the next period's first starts: a training
         loop waits for a step's results before it submits the next step's gradients, so
-        nothing is lost, and the engine then waits for that batch in the transport itself
-        rather than on a callback (see ``_watch``). One batch per period would also reuse the
-        buffer in flight, and autotune scores and rebuilds the schedule between periods, with
-        nothing in flight.
+        nothing is lost. One batch per period would also reuse the buffer in flight, and
+        autotune scores and rebuilds the schedule between periods, with nothing in flight.
         """
         return len(schedule.batches) > 1 and schedule.position != 0
 
@@ -828,24 +824,13 @@ class Engine:
             raise
         return flight
 
-    def _watch(self, flight: _Flight) -> None:
-        """Have the transport wake the engine when ``flight`` is done (``flight.done``).
-
-        Only while the engine waits for the next batch's tensors with ``flight`` in the air: a
-        callback runs Python on the transport's thread, which costs more than the engine
-        waiting in the transport when nothing else is to be done (see ``_wait_for_peers``).
-        Called without the engine's lock: the callback takes it, at once if already done.
-        """
-        if not flight.watched:
-            flight.watched = True
-            assert flight.pending is not None
-            flight.pending.on_done(lambda: self._landed(flight))
-
-    def _landed(self, flight: _Flight) -> None:
-        """Called by the transport when a watched batch's allreduce is done: wake the engine."""
+    def note_polled(self) -> None:
+        """A user polled a result that is not in yet: land a batch held back (see
+        ``_collect_batch``) now rather than when the next one starts."""
         with self._wakeup:
-            flight.done = True
-            self._wakeup.notify_all()
+            if self._flight is not None:
+                self._polled = True
+                self._wakeup.notify_all()
 
     def _hand_back(self, entries: Sequence[Entry | None]) -> None:
         """The job is failing: make entries visible again so that their handles fail with the
@@ -917,19 +902,8 @@ class Engine:
         if not stall_after:
             return
         assert flight.pending is not None
-        if not flight.watched:
-            if flight.pending.wait(stall_after):
-                return
-        else:
-            with self._wakeup:
-                deadline = time.monotonic() + stall_after
-                while not flight.done:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._wakeup.wait(timeout=left)
-                if flight.done:
-                    return
+        if flight.pending.wait(stall_after):
+            return
         names = _names([r.name for r in flight.schedule.batches[flight.position]])
         try:
             self._store.set_signed(self._waiting_key(flight.steady_id), str(self.rank).encode())
@@ -987,13 +961,17 @@ class Engine:
     ) -> tuple[int, str | None] | None:
         """Wait until this rank holds every entry of the current batch, or say why it can't.
 
+        The batch in ``flight`` (the one before, still on the wire or done) is landed after the
+        next one starts, not as soon as it is done: during backward nobody needs its results
+        yet, and landing it then would take the interpreter and a core from backward, plus a
+        callback on the transport's thread to learn that it is done. It is landed first only
+        when a user waits for (or polls) a result.
+
         Returns:
             (this rank's code for the batch, what deviated when it is not FOLLOWING), or None
-            when the batch in ``flight`` came back first.
+            when ``flight`` must land first.
         """
         needed = [r.name for r in schedule.current]
-        if flight is not None:
-            self._watch(flight)
         stall_after = self._stall_after_s
         started = time.monotonic()
         warned = False
@@ -1015,7 +993,11 @@ class Engine:
                     for name in needed:
                         del self._held[name]
                     return steady.FOLLOWING, None
-                if flight is not None and flight.done:
+                if flight is not None and (
+                    self._polled
+                    or any(e is not None and e.handle in self._blocked for e in flight.entries)
+                ):
+                    self._polled = False
                     return None
                 now = time.monotonic()
                 timeout = WATCH_INTERVAL_S

@@ -113,6 +113,16 @@ def _steady_worker(variant: str, steps: int) -> dict[str, Any]:
                 break
             if i == wait_after:
                 early = {h: hvd.synchronize(h) for _, h in handles}
+            if variant == "polled" and i == 1:
+                # The first batch's results are polled for, never waited on, before the rest.
+                import time
+
+                deadline = time.monotonic() + 20
+                while not all(hvd.poll(h) for _, h in handles):
+                    if time.monotonic() > deadline:
+                        results.setdefault("errors", []).append(f"step {step}: poll never true")
+                        break
+                    time.sleep(0.001)
         if extra_last:
             handles.append(("x", hvd.allreduce_async(torch.ones(3), name="extra", op=hvd.Sum)))
         for i, handle in handles:
@@ -144,6 +154,19 @@ def test_a_repeating_loop_runs_in_the_steady_state(np: int) -> None:
         stats = result["stats"]
         assert stats["entered"] == 1 and stats["left"] == 0, stats
         # Two steps are negotiated to learn the period; most of the rest are replayed.
+        assert stats["batches"] >= (STEPS - 4) * 2, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_result_polled_for_in_the_middle_of_a_step_comes(np: int) -> None:
+    # The engine lands a batch once the next one starts, or earlier when a user waits for or
+    # polls one of its results: here the next batch's tensors come only after the poll.
+    for result in run_job(_steady_worker, np, "polled", STEPS):
+        assert "errors" not in result, result
+        assert result["worst"] <= TOLERANCE
+        stats = result["stats"]
+        assert stats["entered"] == 1 and stats["left"] == 0, stats
         assert stats["batches"] >= (STEPS - 4) * 2, stats
 
 

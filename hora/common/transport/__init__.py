@@ -6,7 +6,7 @@ The engine talks only to :class:`Communicator`. Implementations wrap a real libr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from hora.common.message import ReduceOp
@@ -22,12 +22,8 @@ class Pending(Protocol):
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until it is done, or for ``timeout_s`` at most; return whether it is done.
 
-        Raises :class:`TransportError` if it failed. Waiting here costs less than a callback
-        (no Python runs on the transport's thread when the operation completes).
+        Raises :class:`TransportError` if it failed.
         """
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on any thread, or at once) when it is done or has failed."""
 
 
 class Communicator(Protocol):

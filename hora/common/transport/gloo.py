@@ -7,7 +7,7 @@ This module knows about process groups and buffers, never about requests or name
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -64,9 +64,6 @@ class _GlooPending:
             # It finished (or failed) as the wait timed out: its own outcome.
             return self.wait()
         return True
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        self._work.get_future().add_done_callback(lambda _future: callback())
 
 
 class GlooCommunicator:
