@@ -418,22 +418,14 @@ class Engine:
         with self._wakeup:
             if not self._running or self._shutdown_reason is not None:
                 raise HoraInternalError(self._failure or shut_down_message(self._shutdown_reason))
-            in_flight = self._in_flight
-            if len(entries) == 1:
-                # Most calls (every gradient of every step): the short way.
-                name = entries[0].request.name
-                if name in in_flight:
+            names = [e.request.name for e in entries]
+            for name in names:
+                if name in self._in_flight:
                     raise ValueError(DUPLICATE_NAME.format(name=name))
-                in_flight[name] = entries[0]
-            else:
-                names = [e.request.name for e in entries]
-                for name in names:
-                    if name in in_flight:
-                        raise ValueError(DUPLICATE_NAME.format(name=name))
-                if len(set(names)) != len(names):
-                    raise ValueError(DUPLICATE_NAME.format(name=names[0]))
-                for entry in entries:
-                    in_flight[entry.request.name] = entry
+            if len(names) > 1 and len(set(names)) != len(names):
+                raise ValueError(DUPLICATE_NAME.format(name=names[0]))
+            for entry in entries:
+                self._in_flight[entry.request.name] = entry
             timeline = self.timeline
             if timeline is not None:
                 submitted = timeline.now()

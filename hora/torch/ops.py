@@ -241,20 +241,21 @@ class RepeatedAllreduce:
         kind = RequestType.ALLREDUCE
         engine = basics.engine()
         request = self._request
-        stale = (
+        if request is not None and request.process_set_id == 0 and engine is self._engine:
+            # The global set is there as long as its engine is; another set may have been
+            # removed, or removed and added again under another id, since the last call.
+            set_id = 0
+        else:
+            set_id = _check_process_set(self._process_set, kind)
+        if (
             request is None
             or engine is not self._engine
             or tensor.dtype is not self._dtype
+            or request.process_set_id != set_id
             or request.shape != tensor.shape
             or request.device != ("cpu" if tensor.is_cpu else tensor.device.type)
             or not tensor.is_contiguous()
-        )
-        if not stale and request is not None and request.process_set_id != 0:
-            # A set other than the global one (id 0, there as long as the engine is) may have
-            # been removed, or removed and added again under another id, since.
-            stale = _check_process_set(self._process_set, kind) != request.process_set_id
-        if stale:
-            set_id = _check_process_set(self._process_set, kind)
+        ):
             _check_reduction(kind, [tensor], self._fields["reduce_op"])
             request = _request(kind, self._name, tensor, set_id, None, self._fields)
             self._request, self._engine, self._dtype = request, engine, tensor.dtype
