@@ -403,6 +403,16 @@ class Engine:
         return self._failure
 
     @property
+    def schedule(self) -> steady.Schedule | None:
+        """The steady-state schedule being replayed, if any.
+
+        Read without the engine's lock: a caller may use it only as a hint about which names
+        will be reduced together (``DistributedOptimizer`` submits a batch's gradients at once);
+        the engine handles whatever is submitted, whenever, against its current schedule.
+        """
+        return self._schedule
+
+    @property
     def running(self) -> bool:
         return self._running
 

@@ -236,6 +236,11 @@ class RepeatedAllreduce:
         self._engine: Any = None
         self._dtype: torch.dtype | None = None
 
+    @property
+    def name(self) -> str:
+        """The request's full name (as the engine and its schedule know it)."""
+        return self._name
+
     def submit(self, tensor: torch.Tensor) -> int:
         """Start reducing ``tensor`` in place; returns a handle, as ``allreduce_async_`` does."""
         kind = RequestType.ALLREDUCE

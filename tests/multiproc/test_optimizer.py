@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from hora.common.errors import HoraInternalError
+from hora.torch.optimizer import _HOLD_BELOW
 
 from .jobs import assert_raised, error_of, run_job
 
@@ -258,6 +259,144 @@ def test_steady_state_gradients_adopt_the_engines_buffers_safely(np: int) -> Non
         # A storage object kept alone holds its batch's buffer, which is replaced once.
         assert observed["storage_kept_buffers"] == [1, 0, 0, 0], observed
         assert not observed["storage_changed"], observed
+
+
+def _holding_worker() -> dict[str, Any]:
+    """Steady-state training, recording when each gradient arrives and when it is submitted.
+
+    In the steady state the optimizer holds a gradient until the rest of its batch (the
+    engine's schedule) is in, then submits the batch's gradients together (see
+    DistributedOptimizer._batches_now). Per case: the difference from the one-process
+    reference, the last step's events and the schedule's batches.
+    """
+    import copy
+
+    import torch
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    engine = basics.engine()
+    events: list[str] = []
+    enqueue = engine.enqueue
+
+    def recording_enqueue(entries: Any) -> None:
+        # Records each submission, then queues it as usual.
+        events.extend("submit " + e.request.name.removeprefix("allreduce.grad.") for e in entries)
+        enqueue(entries)
+
+    engine.enqueue = recording_enqueue  # type: ignore[method-assign]
+
+    def prepare(model: Any) -> None:
+        # Registered after the optimizer's hooks, so each runs after the optimizer's.
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: events.append("grad " + name))
+
+    out: dict[str, Any] = {}
+    steps: list[list[str]] = []
+
+    def run(case: str, deviate_at: int | None = None, **options: Any) -> None:
+        entered = engine.steady_stats["entered"]
+
+        def observe(model: Any) -> None:
+            steps.append(list(events))
+            events.clear()
+            if len(steps) == deviate_at:
+                # Something the schedule does not predict: negotiation, then a new schedule.
+                hvd.allreduce(torch.ones(1), name=f"deviation.{case}")
+
+        steps.clear()
+        # Plain SGD: with momentum, 12 steps of this wide model (two passes summed) blow up.
+        out[case] = _train("sgd", hidden=600, prepare=prepare, observe=observe, **options)
+        out[case + "_events"] = steps[-1]
+        schedule = engine.schedule
+        out[case + "_batches"] = [
+            [r.name.removeprefix("allreduce.grad.") for r in batch]
+            for batch in (schedule.batches if schedule is not None else [])
+        ]
+        out[case + "_entered"] = engine.steady_stats["entered"] - entered
+        out["sizes"] = {name: p.numel() for name, p in _model(0, 600).named_parameters()}
+
+    run("plain", steps=8)
+    run("passes_2", steps=8, passes=2)
+    run("deviation", steps=12, deviate_at=5)
+
+    # A parameter that gets no gradient: its batch is complete only in step(), which submits
+    # the held gradients and zeros for it.
+    torch.manual_seed(0)  # the same initial weights on every rank
+    layers = {"used": (6, 600), "head": (600, 1), "unused": (6, 1)}
+    model = torch.nn.ModuleDict({k: torch.nn.Linear(*shape) for k, shape in layers.items()})
+    plain = copy.deepcopy(model)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters()
+    )
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(3)
+    rank, size = hvd.rank(), hvd.size()
+    per_rank = BATCH // size
+    for _ in range(8):
+        x = torch.randn(BATCH, 6, generator=data)
+        for net, opt, rows in (
+            (model, optimizer, slice(rank * per_rank, (rank + 1) * per_rank)),
+            (plain, plain_optimizer, slice(None)),
+        ):
+            opt.zero_grad()
+            net["head"](torch.tanh(net["used"](x[rows]))).pow(2).mean().backward()
+            opt.step()
+    out["unused"] = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters())
+    )
+    out["unused_steady"] = engine.schedule is not None
+    hvd.shutdown()
+    return out
+
+
+def _assert_held_until_batch_complete(
+    events: list[str], batches: list[list[str]], large: set[str]
+) -> None:
+    """The small gradients of each batch are submitted together, by the hook of the last of
+    them to arrive; large ones by their own hook; the first batch before backward ends.
+
+    With several backward passes per step only the last one submits: it alone is checked.
+    """
+    grads = [i for i, e in enumerate(events) if e.startswith("grad ")]
+    passes = len(grads) // len({events[i] for i in grads})
+    if passes > 1:
+        events = events[grads[-len(grads) // passes - 1] + 1 :]
+    for batch in batches:
+        small = [name for name in batch if name not in large]
+        positions = [events.index("submit " + name) for name in small]
+        first = min(positions)
+        assert sorted(positions) == list(range(first, first + len(small))), (batch, events)
+        # The hook of the batch's last small gradient submitted them (user hooks run after).
+        last = events[first + len(small)]
+        assert last.startswith("grad ") and last[5:] in small, (batch, events)
+        arrived = {e[5:] for e in events[:first] if e.startswith("grad ")}
+        assert set(small) - arrived == {last[5:]}, (batch, events)
+        for name in batch:
+            if name in large:
+                position = events.index("submit " + name)
+                assert events[position + 1] == "grad " + name, (name, events)
+    last_gradient = max(i for i, e in enumerate(events) if e.startswith("grad "))
+    assert min(events.index("submit " + name) for name in batches[0]) < last_gradient, events
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np", [2, 3])
+def test_steady_state_gradients_are_submitted_a_batch_at_a_time(np: int) -> None:
+    for rank, observed in enumerate(run_job(_holding_worker, np, timeout_s=120)):
+        for case in ("plain", "passes_2", "deviation"):
+            assert observed[case] < 1e-5, f"rank {rank}: {case} differs by {observed[case]}"
+            batches = observed[case + "_batches"]
+            assert len(batches) == 2, (rank, case, batches)
+            large = {n for n, size in observed["sizes"].items() if size >= _HOLD_BELOW}
+            assert large == {"2.weight"}, observed["sizes"]
+            _assert_held_until_batch_complete(observed[case + "_events"], batches, large)
+        # The deviation left the steady state; the schedule entered anew holds gradients too.
+        assert observed["deviation_entered"] == 2, observed
+        assert observed["unused_steady"], observed
+        assert observed["unused"] < 1e-5, f"rank {rank}: differs by {observed['unused']}"
 
 
 def _behaviour_worker() -> dict[str, Any]:
