@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,10 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 _handles: dict[int, tuple[Handle, Any]] = {}
+# DistributedOptimizers holding gradients back in the current backward pass (see
+# DistributedOptimizer._batches_now). A thread about to wait for a result makes the ones it
+# holds submit them first: the result might be in a batch that also waits for them.
+holding: weakref.WeakSet[Any] = weakref.WeakSet()
 
 _REDUCE_OP_NAMES = {op: op.label for op in ReduceOp}
 _PREFIXES = {kind: kind.name.lower() for kind in RequestType}
@@ -1067,6 +1072,9 @@ def synchronize(handle: int) -> Any:
     if entry is None:
         return None
     op_handle, post = entry
+    if holding and not op_handle.done():
+        for optimizer in list(holding):
+            optimizer._release_held()
     try:
         results = op_handle.wait()
     except HoraInternalError:

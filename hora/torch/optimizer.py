@@ -8,6 +8,7 @@ error texts) are Horovod's. This module knows optimizers and parameters; the eng
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -76,10 +77,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Per parameter reduced on its own: its allreduce, with the request made once.
         self._reducers: dict[torch.Tensor, ops.RepeatedAllreduce] = {}
         # In the steady state, the small gradients the engine reduces in one batch are submitted
-        # together once the last of them is in (see _batches_now): per batch, the gradients held
-        # so far in this backward pass (None: not looked up yet in this pass), the batch of each
-        # parameter that is held, how many of them each batch has, and the schedule read.
+        # together once the last of them is in (see _batches_now). Per batch: the gradients held
+        # so far in this backward pass (None: not looked up yet in this pass) and how many are
+        # still to come; the thread that holds them. Per schedule (the last one read): the
+        # batch of each parameter that is held and how many of them each batch has.
         self._held: list[list[torch.Tensor]] | None = None
+        self._left: list[int] = []
+        self._holder = 0
         self._batch_of: dict[torch.Tensor, int] = {}
         self._batch_sizes: list[int] = []
         self._layout_of: Any = None
@@ -144,10 +148,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 handles[p] = self._submit(p)
                 return
             handles[p] = (_HELD, None)
-            batch = held[number]
-            batch.append(p)
-            if len(batch) == self._batch_sizes[number]:
-                self._submit_held(batch)
+            held[number].append(p)
+            left = self._left
+            left[number] -= 1
+            if not left[number]:
+                self._submit_held(held[number])
             return
         ready = self._group_ready.setdefault(group, set())
         ready.add(p)
@@ -167,28 +172,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         batch as early as before, with less work in total. Not held: gradients of
         ``_HOLD_BELOW`` elements or more, whose copy into the batch's buffer is cheaper right
         after backward wrote them, while they are still in the caches (measured: the MLP of
-        the benchmark, 6% slower with its two large gradients held), and gradients on a GPU,
-        where backward only queues kernels and a later hook may run on another stream.
+        the benchmark, 6% slower with its two large gradients held), and the gradients of an
+        optimizer with parameters on a GPU, where backward only queues kernels and hooks run
+        on other threads and streams. Gradients of ``groups`` and of other process sets than
+        the global one are never in a schedule's batches.
         """
         schedule = basics.engine().schedule
-        if schedule is None:
+        if schedule is None or self._process_set is not ops.global_process_set:
             return []
         if self._layout_of is None or self._layout_of() is not schedule:
             # A new schedule (the first, or rebuilt by autotune, or after a deviation): a weak
             # reference, so that an old schedule's buffers are not kept alive from here.
             self._layout_of = weakref.ref(schedule)
-            self._batch_of = {}
-            self._batch_sizes = [0] * len(schedule.batches)
-            for p, reducer in self._reducers.items():
-                found = schedule.index.get(reducer.name)
-                if found is not None and p.device.type == "cpu" and p.numel() < _HOLD_BELOW:
-                    self._batch_of[p] = found[0]
-                    self._batch_sizes[found[0]] += 1
-        return [[] for _ in self._batch_sizes] if self._batch_of else []
+            batch_of: dict[torch.Tensor, int] = {}
+            sizes = [0] * len(schedule.batches)
+            # Only where every parameter is on the CPU: autograd then runs every hook on the
+            # thread that called backward() (a GPU's hooks run on a thread of their own).
+            if all(p.device.type == "cpu" for p in self._reducers):
+                for p, reducer in self._reducers.items():
+                    found = schedule.index.get(reducer.name)
+                    if found is not None and p.numel() < _HOLD_BELOW:
+                        batch_of[p] = found[0]
+                        sizes[found[0]] += 1
+            self._batch_of, self._batch_sizes = batch_of, sizes
+        if not self._batch_of:
+            return []
+        self._left = list(self._batch_sizes)
+        self._holder = threading.get_ident()
+        ops.holding.add(self)
+        return [[] for _ in self._batch_sizes]
+
+    def _release_held(self) -> None:
+        """Submit every gradient held so far in this pass: this thread is about to wait for a
+        result, which might be in a batch that also needs them (another thread's wait does not
+        stop this thread's backward pass from completing its batches)."""
+        if self._held is not None and threading.get_ident() == self._holder:
+            for batch in self._held:
+                self._submit_held(batch)
 
     def _submit_held(self, batch: list[torch.Tensor]) -> None:
         handles = self._handles
         for p in batch:
+            if p.grad is None:  # set to None by the caller since its hook ran: no crash
+                p.grad = torch.zeros_like(p)
             handles[p] = self._submit(p)
         batch.clear()
 
@@ -262,6 +288,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for batch in self._held:
                 self._submit_held(batch)
             self._held = None
+            ops.holding.discard(self)
         first, last = self._backward_span
         if first:
             timeline = basics.current_timeline()
@@ -446,6 +473,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
         self._held = None
+        ops.holding.discard(self)
         self._group_ready.clear()
         self._synchronized = False
         for p in self._delay:

@@ -348,6 +348,35 @@ def _holding_worker() -> dict[str, Any]:
         (a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters())
     )
     out["unused_steady"] = engine.schedule is not None
+
+    # Two backward passes a step with a synchronous allreduce in between (a metric), all in one
+    # batch: the thread submits the gradients it holds before it waits, so the engine sees the
+    # wait after the first pass's gradients, cuts the batch there and stays in the steady state.
+    torch.manual_seed(1)
+    two = torch.nn.ModuleDict({k: torch.nn.Linear(6, 4) for k in ("a", "b")})
+    plain = copy.deepcopy(two)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(two.parameters(), lr=0.05), named_parameters=two.named_parameters()
+    )
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
+    entered, blocked = engine.steady_stats["entered"], engine.steady_stats["blocked"]
+    for _ in range(24):
+        x = torch.randn(4, 6, generator=data)  # the same on every rank
+        for net, opt in ((two, optimizer), (plain, plain_optimizer)):
+            opt.zero_grad()
+            first = net["a"](x).pow(2).mean()
+            first.backward()
+            if net is two:
+                hvd.allreduce(first.detach(), name="metric")
+            net["b"](x).pow(2).mean().backward()
+            opt.step()
+    out["metric"] = max(
+        (a - b).abs().max().item() for a, b in zip(two.parameters(), plain.parameters())
+    )
+    out["metric_entered"] = engine.steady_stats["entered"] - entered
+    out["metric_blocked"] = engine.steady_stats["blocked"] - blocked
+    schedule = engine.schedule
+    out["metric_batches"] = [len(b) for b in schedule.batches] if schedule is not None else []
     hvd.shutdown()
     return out
 
@@ -366,6 +395,7 @@ def _assert_held_until_batch_complete(
         events = events[grads[-len(grads) // passes - 1] + 1 :]
     for batch in batches:
         small = [name for name in batch if name not in large]
+        assert len(small) > 1, batch  # the model is chosen so that holding shows
         positions = [events.index("submit " + name) for name in small]
         first = min(positions)
         assert sorted(positions) == list(range(first, first + len(small))), (batch, events)
@@ -397,6 +427,11 @@ def test_steady_state_gradients_are_submitted_a_batch_at_a_time(np: int) -> None
         assert observed["deviation_entered"] == 2, observed
         assert observed["unused_steady"], observed
         assert observed["unused"] < 1e-5, f"rank {rank}: differs by {observed['unused']}"
+        # A wait between two backward passes: one blocked batch teaches the cut, once.
+        assert observed["metric"] < 1e-5, observed
+        assert observed["metric_blocked"] == 1, observed
+        assert observed["metric_entered"] == 2, observed
+        assert observed["metric_batches"] == [3, 2], observed
 
 
 def _behaviour_worker() -> dict[str, Any]:
