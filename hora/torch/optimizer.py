@@ -206,9 +206,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Submit every gradient held so far in this pass: this thread is about to wait for a
         result, which might be in a batch that also needs them (another thread's wait does not
         stop this thread's backward pass from completing its batches)."""
-        if self._held is not None and threading.get_ident() == self._holder:
-            for batch in self._held:
-                self._submit_held(batch)
+        if threading.get_ident() == self._holder:
+            self._submit_all_held()
+
+    def _submit_all_held(self) -> None:
+        """Submit what is held, batch by batch in the order the batches run."""
+        for batch in self._held or ():
+            self._submit_held(batch)
 
     def _submit_held(self, batch: list[torch.Tensor]) -> None:
         handles = self._handles
@@ -283,10 +287,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Close the backward pass: submit what no hook submitted (zeros for parameters that
         got no gradient). Returns whether there are results to collect."""
         if self._held is not None:
-            # Submitted in the order the batches run; a batch still held had a parameter with
-            # no gradient in this pass (it gets zeros below, after the batch's others).
-            for batch in self._held:
-                self._submit_held(batch)
+            # A batch still held had a parameter with no gradient in this pass (it gets zeros
+            # below, after the batch's others).
+            self._submit_all_held()
             self._held = None
             ops.holding.discard(self)
         first, last = self._backward_span

@@ -110,6 +110,10 @@ def _train(
         reference_optimizer.step()
         if observe is not None:
             observe(model)
+    return _largest_difference(model, reference)
+
+
+def _largest_difference(model: Any, reference: Any) -> float:
     return max(
         (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
     )
@@ -344,9 +348,7 @@ def _holding_worker() -> dict[str, Any]:
             opt.zero_grad()
             net["head"](torch.tanh(net["used"](x[rows]))).pow(2).mean().backward()
             opt.step()
-    out["unused"] = max(
-        (a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters())
-    )
+    out["unused"] = _largest_difference(model, plain)
     out["unused_steady"] = engine.schedule is not None
 
     # Two backward passes a step with a synchronous allreduce in between (a metric), all in one
@@ -370,9 +372,7 @@ def _holding_worker() -> dict[str, Any]:
                 hvd.allreduce(first.detach(), name="metric")
             net["b"](x).pow(2).mean().backward()
             opt.step()
-    out["metric"] = max(
-        (a - b).abs().max().item() for a, b in zip(two.parameters(), plain.parameters())
-    )
+    out["metric"] = _largest_difference(two, plain)
     out["metric_entered"] = engine.steady_stats["entered"] - entered
     out["metric_blocked"] = engine.steady_stats["blocked"] - blocked
     schedule = engine.schedule
@@ -732,10 +732,7 @@ def _parts_worker() -> dict[str, Any]:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         out[case] = {
             "parts": parts,
-            "reference": max(
-                (a - b).abs().max().item()
-                for a, b in zip(model.parameters(), reference.parameters())
-            ),
+            "reference": _largest_difference(model, reference),
             "ranks": (hvd.allgather(flat.unsqueeze(0), name=f"flat.{case}") - flat)
             .abs()
             .max()
