@@ -81,7 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # so far in this backward pass (None: not looked up yet in this pass) and how many are
         # still to come; the thread that holds them. Per schedule (the last one read): the
         # batch of each parameter that is held and how many of them each batch has.
-        self._held: list[list[torch.Tensor]] | None = None
+        self._held: list[list[tuple[torch.Tensor, torch.Tensor | None]]] | None = None
         self._left: list[int] = []
         self._holder = 0
         self._batch_of: dict[torch.Tensor, int] = {}
@@ -148,7 +148,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 handles[p] = self._submit(p)
                 return
             handles[p] = (_HELD, None)
-            held[number].append(p)
+            # The tensor this hook saw is the one reduced later, even if the caller replaces
+            # ``.grad`` (or sets it to None) meanwhile, as for a gradient submitted at once.
+            held[number].append((p, p.grad))
             left = self._left
             left[number] -= 1
             if not left[number]:
@@ -160,7 +162,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(ready) == len(self._groups[group]):
             self._submit_group(group)
 
-    def _batches_now(self) -> list[list[torch.Tensor]]:
+    def _batches_now(self) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
         """At a backward pass's first gradient: empty lists to hold gradients in, one per batch
         of the engine's steady-state schedule (none outside the steady state).
 
@@ -214,12 +216,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for batch in self._held or ():
             self._submit_held(batch)
 
-    def _submit_held(self, batch: list[torch.Tensor]) -> None:
+    def _submit_held(self, batch: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         handles = self._handles
-        for p in batch:
-            if p.grad is None:  # set to None by the caller since its hook ran: no crash
-                p.grad = torch.zeros_like(p)
-            handles[p] = self._submit(p)
+        submit = self._submit
+        for p, grad in batch:
+            handles[p] = submit(p, grad)
         batch.clear()
 
     def _scales(self) -> tuple[float, float]:
@@ -233,15 +234,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
         return p.grad
 
-    def _submit(self, p: torch.Tensor) -> tuple[Any, Any]:
-        assert p.grad is not None
-        if p.grad.is_sparse and not self._sparse_as_dense:
+    def _submit(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """Submit ``p``'s gradient: ``grad``, the one its hook held, or else ``p.grad``."""
+        if grad is None:
+            grad = p.grad
+        assert grad is not None
+        sparse = grad.is_sparse
+        if sparse and not self._sparse_as_dense:
             finish = ops.sparse_allreduce_async(
-                p.grad, name=self._parameter_names[p], op=self._op, process_set=self._process_set
+                grad, name=self._parameter_names[p], op=self._op, process_set=self._process_set
             )
             return finish, "sparse"
-        sparse = p.grad.is_sparse
-        grad = self._dense_grad(p) if sparse else p.grad
+        if sparse:
+            dense = grad.to_dense()
+            if p.grad is grad:  # the result is written into the dense one, then made sparse
+                p.grad = dense
+            grad = dense
         compressed, ctx = self._compression.compress(grad)
         return self._reducers[p].submit(compressed), (ctx, compressed, sparse)
 

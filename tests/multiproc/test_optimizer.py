@@ -327,7 +327,9 @@ def _holding_worker() -> dict[str, Any]:
     run("deviation", steps=12, deviate_at=5)
 
     # A parameter that gets no gradient: its batch is complete only in step(), which submits
-    # the held gradients and zeros for it.
+    # the held gradients and zeros for it. Every other step the caller also sets every .grad to
+    # None before step(): what is reduced is still the gradient each hook saw, whether its hook
+    # submitted it or held it.
     torch.manual_seed(0)  # the same initial weights on every rank
     layers = {"used": (6, 600), "head": (600, 1), "unused": (6, 1)}
     model = torch.nn.ModuleDict({k: torch.nn.Linear(*shape) for k, shape in layers.items()})
@@ -339,7 +341,7 @@ def _holding_worker() -> dict[str, Any]:
     data = torch.Generator().manual_seed(3)
     rank, size = hvd.rank(), hvd.size()
     per_rank = BATCH // size
-    for _ in range(8):
+    for step in range(8):
         x = torch.randn(BATCH, 6, generator=data)
         for net, opt, rows in (
             (model, optimizer, slice(rank * per_rank, (rank + 1) * per_rank)),
@@ -347,6 +349,9 @@ def _holding_worker() -> dict[str, Any]:
         ):
             opt.zero_grad()
             net["head"](torch.tanh(net["used"](x[rows]))).pow(2).mean().backward()
+            if net is model and step % 2:
+                for p in net.parameters():
+                    p.grad = None
             opt.step()
     out["unused"] = _largest_difference(model, plain)
     out["unused_steady"] = engine.schedule is not None
