@@ -39,6 +39,9 @@ _ZERO_GRAD_RACE = (
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
 )
 
+# A held gradient: its parameter and the gradient tensor its hook saw (see _batches_now).
+_Held = tuple[torch.Tensor, torch.Tensor | None]
+
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class (see the factory below)."""
@@ -81,7 +84,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # so far in this backward pass (None: not looked up yet in this pass) and how many are
         # still to come; the thread that holds them. Per schedule (the last one read): the
         # batch of each parameter that is held and how many of them each batch has.
-        self._held: list[list[tuple[torch.Tensor, torch.Tensor | None]]] | None = None
+        self._held: list[list[_Held]] | None = None
         self._left: list[int] = []
         self._holder = 0
         self._batch_of: dict[torch.Tensor, int] = {}
@@ -162,7 +165,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(ready) == len(self._groups[group]):
             self._submit_group(group)
 
-    def _batches_now(self) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    def _batches_now(self) -> list[list[_Held]]:
         """At a backward pass's first gradient: empty lists to hold gradients in, one per batch
         of the engine's steady-state schedule (none outside the steady state).
 
@@ -216,7 +219,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for batch in self._held or ():
             self._submit_held(batch)
 
-    def _submit_held(self, batch: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    def _submit_held(self, batch: list[_Held]) -> None:
         handles = self._handles
         submit = self._submit
         for p, grad in batch:
@@ -228,11 +231,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return 1.0 / self._predivide, self._predivide
         return 1.0, 1.0
 
-    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
-        assert p.grad is not None
-        if p.grad.is_sparse:
-            p.grad = p.grad.to_dense()
-        return p.grad
+    def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+        """``grad`` (default ``p.grad``) made dense; where it is ``p.grad``, ``p.grad`` becomes
+        the dense one too, so that the result is written into it (then made sparse again)."""
+        if grad is None:
+            grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
+            dense = grad.to_dense()
+            if p.grad is grad:
+                p.grad = dense
+            grad = dense
+        return grad
 
     def _submit(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> tuple[Any, Any]:
         """Submit ``p``'s gradient: ``grad``, the one its hook held, or else ``p.grad``."""
@@ -246,10 +256,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
             return finish, "sparse"
         if sparse:
-            dense = grad.to_dense()
-            if p.grad is grad:  # the result is written into the dense one, then made sparse
-                p.grad = dense
-            grad = dense
+            grad = self._dense_grad(p, grad)
         compressed, ctx = self._compression.compress(grad)
         return self._reducers[p].submit(compressed), (ctx, compressed, sparse)
 
