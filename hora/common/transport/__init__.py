@@ -61,6 +61,12 @@ class Communicator(Protocol):
     def reducescatter(self, output: Any, chunks: Sequence[Any], op: ReduceOp) -> None:
         """Reduce ``chunks[j]`` across members into member j's ``output``."""
 
+    def sendrecv(self, send: Any, receive: Any, peer: int) -> None:
+        """Send ``send`` to member ``peer`` and receive ``receive`` from it, both at once.
+
+        Both members call it with each other as ``peer``; either buffer may be empty.
+        """
+
     def barrier(self) -> None:
         """Return when every member has called it."""
 

@@ -149,6 +149,22 @@ class GlooCommunicator:
         options.reduceOp = _REDUCE_OPS[op]
         self._run(lambda: self._pg.reduce_scatter([output], [list(chunks)], options))
 
+    def sendrecv(self, send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
+        if self._aborted:
+            raise TransportError("the communicator was aborted")
+        try:
+            # Both directions are started before either is waited for: a blocking send first
+            # on both sides would wait for a receive that is never posted.
+            works = []
+            if send.numel():
+                works.append(self._pg.send([send], peer, 0))
+            if receive.numel():
+                works.append(self._pg.recv([receive], peer, 0))
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
+
     def barrier(self) -> None:
         self._run(lambda: self._pg.barrier())
 
