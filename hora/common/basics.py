@@ -104,8 +104,12 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         >>> print(hvd.rank(), hvd.size())
     """
     with _state.lock:
-        if _state.engine is not None and _state.engine.running:
-            return
+        if _state.engine is not None:
+            if _state.engine.running:
+                return
+            # The engine stopped on its own (the job was shut down after a failure, a stall or
+            # a deadlock): release it, then start again, as after hvd.shutdown().
+            _stop_engine(None)
         if comm is not None:
             raise ValueError(
                 "hvd.init(comm=...) is not supported by hora: every process of the job takes "
@@ -285,9 +289,13 @@ def _timeline_left_unmerged(path: str, why: str) -> None:
 def shutdown(reason: str | None = None) -> None:
     """Stop the engine. Pending operations on every rank fail; ``init`` may be called again."""
     with _state.lock:
-        engine = _state.engine
-        if engine is None:
-            return
+        _stop_engine(reason)
+
+
+def _stop_engine(reason: str | None) -> None:
+    """Stop and release the engine (the caller holds ``_state.lock``)."""
+    engine = _state.engine
+    if engine is not None:
         engine.shutdown(reason)
         _finish_timeline(engine, _state.store)
         launched_elsewhere = _state.topology is not None and _state.topology.launch is not None

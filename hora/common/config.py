@@ -15,6 +15,10 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CACHE_CAPACITY = 1024
 DEFAULT_STALL_CHECK_TIME_S = 60.0
+# A stall this long ends the job: a rank that never submits a tensor the others wait for becomes
+# an error naming the tensor and the ranks, instead of a job that waits forever. Ten minutes, as
+# PyTorch's NCCL timeout: far beyond a slow step, shorter than a lost night on a cluster.
+DEFAULT_STALL_SHUTDOWN_TIME_S = 600.0
 DEFAULT_GLOO_TIMEOUT_S = 30.0
 DEFAULT_START_TIMEOUT_S = 30.0
 
@@ -89,7 +93,8 @@ class Settings:
         cache_capacity: entries of the response cache; 0 turns it off.
         stall_check_enabled: whether the stall inspector runs.
         stall_check_time_s: warn when some ranks waited this long for others.
-        stall_shutdown_time_s: shut the job down after this long (0: never).
+        stall_shutdown_time_s: shut the job down after a stall this long (0: never); by default
+            ``DEFAULT_STALL_SHUTDOWN_TIME_S``, or the check time if that is longer.
         gloo_timeout_s: how long one collective may wait for a peer.
         dynamic_process_sets: allow ``add_process_set`` after ``init``.
         disable_group_fusion: fuse the tensors of a group only with each other.
@@ -107,7 +112,7 @@ class Settings:
     cache_capacity: int = DEFAULT_CACHE_CAPACITY
     stall_check_enabled: bool = True
     stall_check_time_s: float = DEFAULT_STALL_CHECK_TIME_S
-    stall_shutdown_time_s: float = 0.0
+    stall_shutdown_time_s: float = DEFAULT_STALL_SHUTDOWN_TIME_S
     gloo_timeout_s: float = DEFAULT_GLOO_TIMEOUT_S
     dynamic_process_sets: bool = False
     disable_group_fusion: bool = False
@@ -125,13 +130,16 @@ class Settings:
         Raises:
             SettingError: a variable is set to something that cannot be parsed or is out of range.
         """
+        check_time_s = _float("STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_TIME_S, env)
         settings = cls(
             fusion_threshold_bytes=_int("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD_BYTES, env),
             cycle_time_ms=_float("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS, env),
             cache_capacity=_int("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY, env),
             stall_check_enabled=not _bool("STALL_CHECK_DISABLE", False, env),
-            stall_check_time_s=_float("STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_TIME_S, env),
-            stall_shutdown_time_s=_float("STALL_SHUTDOWN_TIME_SECONDS", 0.0, env),
+            stall_check_time_s=check_time_s,
+            stall_shutdown_time_s=_float(
+                "STALL_SHUTDOWN_TIME_SECONDS", max(DEFAULT_STALL_SHUTDOWN_TIME_S, check_time_s), env
+            ),
             gloo_timeout_s=_float("GLOO_TIMEOUT_SECONDS", DEFAULT_GLOO_TIMEOUT_S, env),
             dynamic_process_sets=_bool("DYNAMIC_PROCESS_SETS", False, env),
             disable_group_fusion=_bool("DISABLE_GROUP_FUSION", False, env),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import math
 import struct
@@ -31,12 +32,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hora.common import fusion, steady
+from hora.common import adasum, fusion, steady
 from hora.common.autotune import Autotuner
 from hora.common.config import Settings
 from hora.common.dtypes import FLOATING, INTEGER
-from hora.common.errors import DUPLICATE_NAME, HoraInternalError, shut_down_message
-from hora.common.message import CycleMessage, ReduceOp, Request, RequestType, Response
+from hora.common.errors import DUPLICATE_NAME, HoraInternalError, HoraValueError, shut_down_message
+from hora.common.message import (
+    CycleMessage,
+    Key,
+    ReduceOp,
+    Request,
+    RequestType,
+    Response,
+    key_label,
+)
 from hora.common.negotiation import MessageTable, ResponseCache
 from hora.common.process_sets import ProcessSetTable
 from hora.common.rendezvous import (
@@ -77,6 +86,11 @@ PARKED_WAIT_S = 7 * 24 * 3600.0
 STALL_PROBE_S = 2.0
 # How long a survivor waits for the launcher's (or other survivors') account of a failure.
 DIAGNOSE_WINDOW_S = 2.0
+# A user thread blocked this long on a call still being negotiated is recorded in the store,
+# where rank 0 looks for a deadlock (every rank waiting for what another never submits).
+WAIT_RECORD_AFTER_S = 1.0
+# How often rank 0 reads those records once the negotiation table has stood still long enough.
+DEADLOCK_PROBE_S = 1.0
 
 
 # Called when a user thread starts (True) and stops (False) blocking on a handle.
@@ -213,6 +227,21 @@ def _scale(buffer: torch.Tensor, factor: float) -> torch.Tensor:
     return buffer.mul_(factor)
 
 
+def _postscale(buffer: torch.Tensor, divisor: int, factor: float) -> torch.Tensor:
+    """A reduced buffer divided by ``divisor`` (an average's number of ranks), then scaled.
+
+    The average is a division, so it is correctly rounded (an integer average truncates
+    exactly); multiplying by a rounded ``1 / divisor`` can be one unit off in the last place.
+    """
+    if divisor == 1:
+        return _scale(buffer, factor)
+    if buffer.is_floating_point():
+        return _scale(buffer.div_(divisor), factor)
+    if factor == 1.0:
+        return buffer.div_(divisor, rounding_mode="trunc")
+    return _scale(buffer, factor / divisor)
+
+
 def _destination(entry: Entry | None) -> torch.Tensor | None:
     """Where an allreduce result goes: the output tensor, or the input for in-place calls."""
     if entry is None:
@@ -276,7 +305,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._queue: deque[Entry] = deque()
-        self._in_flight: dict[str, Entry] = {}
+        # Entries submitted and not finished, by (process set, name).
+        self._in_flight: dict[Key, Entry] = {}
         self._shutdown_reason: str | None = None
         self._failure: str | None = None
         self._running = False
@@ -297,9 +327,9 @@ class Engine:
         self._flight: _Flight | None = None
         # A user polled a result while a batch was held back (see _collect_batch).
         self._polled = False
-        self._held: dict[str, Entry] = {}
+        self._held: dict[Key, Entry] = {}
         self._taken: list[Entry] = []
-        self._awaiting: set[str] = set()
+        self._awaiting: set[Key] = set()
         self._cuts: set[str] = set()
         # Times the steady state was entered and left, and batches it ran (tests and tools read it).
         # "blocked": leaves where no rank deviated, only a user waited on a result whose batch
@@ -326,6 +356,10 @@ class Engine:
         self._steady_started = 0
         self._agreed_at = 0
         self._blocked: dict[Handle, float] = {}
+        # What this rank last recorded as the calls its blocked threads wait for (see
+        # _record_waits); when rank 0 next reads every rank's record (_check_deadlock).
+        self._recorded_waits = ""
+        self._deadlock_probe = 0.0
         self._control = self._connect("control", 0, self.rank, self.size)
         self._communicators[0] = self._connect("ps0", 0, self.rank, self.size)
         for ranks in process_sets or []:
@@ -428,14 +462,14 @@ class Engine:
         with self._wakeup:
             if not self._running or self._shutdown_reason is not None:
                 raise HoraInternalError(self._failure or shut_down_message(self._shutdown_reason))
-            names = [e.request.name for e in entries]
-            for name in names:
-                if name in self._in_flight:
-                    raise ValueError(DUPLICATE_NAME.format(name=name))
-            if len(names) > 1 and len(set(names)) != len(names):
-                raise ValueError(DUPLICATE_NAME.format(name=names[0]))
+            keys = [e.request.key for e in entries]
+            for key in keys:
+                if key in self._in_flight:
+                    raise HoraValueError(DUPLICATE_NAME.format(name=key[1]))
+            if len(keys) > 1 and len(set(keys)) != len(keys):
+                raise HoraValueError(DUPLICATE_NAME.format(name=keys[0][1]))
             for entry in entries:
-                self._in_flight[entry.request.name] = entry
+                self._in_flight[entry.request.key] = entry
             timeline = self.timeline
             if timeline is not None:
                 submitted = timeline.now()
@@ -466,8 +500,8 @@ class Engine:
                     self._claim(schedule, number)
                 _stage(schedule, number, request.name, tensor)
                 entry.staged = schedule
-            if request.name in self._awaiting:
-                self._awaiting.discard(request.name)
+            if request.key in self._awaiting:
+                self._awaiting.discard(request.key)
                 wake = wake or not self._awaiting
         return wake
 
@@ -602,11 +636,71 @@ class Engine:
                     reason = self._stall.check(self._table)
                     if reason is not None:
                         self._shutdown_reason = self._shutdown_reason or reason
+                # Every rank parks when nobody has anything new: that is where a deadlock
+                # shows. The store calls run without the lock, which user threads need.
+                self._wakeup.release()
+                try:
+                    self._record_waits()
+                    reason = self._check_deadlock()
+                finally:
+                    self._wakeup.acquire()
+                if reason is not None:
+                    self._shutdown_reason = self._shutdown_reason or reason
         if ring:
             self._store.set_signed(wake_key, b"")
         self._idle_cycles = 0
         # Whoever rang has work: go at once.
         self._last_cycle_end = 0.0
+
+    def _waits_key(self, rank: int) -> str:
+        return f"g{self._generation}/waits/{rank}"
+
+    def _awaited(self) -> list[Key]:
+        """Keys still in negotiation that this rank's threads have waited for a while."""
+        now = time.monotonic()
+        with self._wakeup:
+            blocked = self._blocked
+            return sorted(
+                key
+                for key, entry in self._in_flight.items()
+                if now - blocked.get(entry.handle, now) >= WAIT_RECORD_AFTER_S
+            )
+
+    def _record_waits(self) -> None:
+        """Record in the store what this rank's blocked threads wait for (when it changed)."""
+        text = json.dumps(self._awaited()) if self.size > 1 else ""
+        if text == self._recorded_waits:
+            return
+        try:
+            self._store.set_signed(self._waits_key(self.rank), text.encode())
+            self._recorded_waits = text
+        except Exception as exc:  # noqa: BLE001 - a lost store fails the job elsewhere
+            logger.debug("rank %d could not record its waits: %s", self.rank, exc)
+
+    def _check_deadlock(self) -> str | None:
+        """On rank 0: the shutdown reason when every rank has waited ``HORA_GLOO_TIMEOUT_SECONDS``
+        for calls that other ranks never submitted, with nothing arriving meanwhile."""
+        if self.rank != 0 or self.size == 1 or not self._stall.enabled or not self._table:
+            return None
+        now = time.monotonic()
+        idle = now - self._table.changed
+        if idle < self.settings.gloo_timeout_s or now < self._deadlock_probe:
+            return None
+        self._deadlock_probe = now + DEADLOCK_PROBE_S
+        waits: dict[int, list[Key]] = {0: self._awaited()}
+        try:
+            for rank in range(1, self.size):
+                key = self._waits_key(rank)
+                if not self._store.check(key):
+                    return None
+                waits[rank] = _keys_from_json(self._store.get_signed(key))
+        except Exception as exc:  # noqa: BLE001 - a record that cannot be read is no deadlock
+            logger.debug("rank 0 could not read the ranks' waits: %s", exc)
+            return None
+        reason = self._stall.deadlock(self._table, waits, idle)
+        if reason is not None:
+            logger.error("%s", reason)
+        return reason
 
     def _failure_seen(self) -> bool:
         return self._watcher is not None and self._watcher.failure is not None
@@ -786,7 +880,7 @@ class Engine:
         self._batch_number += 1
         position = schedule.position
         batch = schedule.current
-        entries = [] if code != steady.FOLLOWING else self._take_all([r.name for r in batch])
+        entries = [] if code != steady.FOLLOWING else self._take_all([r.key for r in batch])
         if position in schedule.lent:
             with self._wakeup:
                 self._claim(schedule, position)
@@ -840,7 +934,7 @@ class Engine:
         with self._wakeup:
             for entry in entries:
                 if entry is not None:
-                    self._in_flight[entry.request.name] = entry
+                    self._in_flight[entry.request.key] = entry
 
     def _land(self, flight: _Flight, following: _Flight | None) -> None:
         """Wait for ``flight``; deliver its results or, if some rank deviated, leave."""
@@ -881,11 +975,11 @@ class Engine:
             args = '{"op":"ALLREDUCE"}'
             for entry in finished:
                 if entry.submitted:
-                    row = timeline.row(entry.request.name)
+                    row = timeline.row(key_label(entry.request.key))
                     timeline.complete(row, "WAIT_FOR_BATCH", entry.submitted, flight.started, args)
             times = (flight.started, flight.issued, done, timeline.now())
             nbytes = data.numel() * data.itemsize
-            self._trace_collective(finished, RequestType.ALLREDUCE, flight.number, times, nbytes)
+            self._trace_collective(finished, "ALLREDUCE", flight.number, times, nbytes)
         if flight.position == len(schedule.batches) - 1:
             self._period_finished(schedule)
         self._last_cycle_end = time.monotonic()
@@ -973,7 +1067,7 @@ class Engine:
             (this rank's code for the batch, what deviated when it is not FOLLOWING), or None
             when ``flight`` must land first.
         """
-        needed = [r.name for r in schedule.current]
+        needed = [r.key for r in schedule.current]
         stall_after = self._stall_after_s
         started = time.monotonic()
         warned = False
@@ -983,7 +1077,7 @@ class Engine:
             while True:
                 while self._queue:
                     entry = self._queue.popleft()
-                    self._held[entry.request.name] = entry
+                    self._held[entry.request.key] = entry
                     if not schedule.expects(entry.request):
                         return steady.DEVIATED, f"{entry.request.name} is not next in the schedule"
                 self._awaiting.difference_update(self._held)
@@ -992,8 +1086,8 @@ class Engine:
                 if self._failure_seen():
                     return steady.DEVIATED, "a failure was reported"
                 if not self._awaiting:
-                    for name in needed:
-                        del self._held[name]
+                    for key in needed:
+                        del self._held[key]
                     return steady.FOLLOWING, None
                 if flight is not None and (
                     self._polled
@@ -1015,10 +1109,10 @@ class Engine:
                     waited = now - max(min(since), started)
                     grace = max(STEADY_BLOCKED_GRACE_S, 10 * self.settings.cycle_time_ms / 1000)
                     if waited >= grace:
-                        first = min(i for i, n in enumerate(needed) if n in self._awaiting)
+                        first = min(i for i, k in enumerate(needed) if k in self._awaiting)
                         return steady.blocked_code(
                             first
-                        ), f"a result is awaited before {needed[first]}"
+                        ), f"a result is awaited before {needed[first][1]}"
                     timeout = min(timeout, grace - waited)
                 if stall_after and not warned and now - started > stall_after and now >= probe:
                     # Some rank waits for this one (it recorded so), or every rank is busy
@@ -1030,7 +1124,7 @@ class Engine:
                             "rank %d has not submitted %s for %.0f s while other ranks wait for "
                             "them (steady state).",
                             self.rank,
-                            _names([n for n in needed if n not in self._held]),
+                            _names([k[1] for k in needed if k not in self._held]),
                             now - started,
                         )
                 self._wakeup.wait(timeout=timeout)
@@ -1051,7 +1145,7 @@ class Engine:
         with self._wakeup:
             held = [e for e in entries if e is not None] + list(self._held.values())
             for entry in held:
-                self._in_flight[entry.request.name] = entry
+                self._in_flight[entry.request.key] = entry
             self._queue.extendleft(reversed(held))
             self._held.clear()
             self._schedule = None
@@ -1147,14 +1241,14 @@ class Engine:
             self._batch_number += 1
             traced = self._trace_negotiated(batch) if self.timeline is not None else None
             if head.error is not None:
-                for name in head.names:
-                    self._fail_name(name, head.error)
+                for key in head.keys:
+                    self._fail_name(key, head.error)
                 continue
             if head.kind in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET):
                 self._change_process_set(head)
                 continue
             if head.kind == RequestType.JOIN:
-                entry = self._take(head.names[0])
+                entry = self._take(head.keys[0])
                 if entry is not None:
                     _finish(entry, head.last_joined_rank)
                 continue
@@ -1162,15 +1256,18 @@ class Engine:
             if self.rank not in members:
                 continue
             if head.kind == RequestType.BARRIER:
-                entry = self._take(head.names[0])
+                entry = self._take(head.keys[0])
                 if entry is not None:
                     _finish(entry, None)
                 continue
             comm = self._communicators[head.process_set_id]
             if head.kind == RequestType.ALLREDUCE:
-                waiting = [self._in_flight.get(r.names[0]) for r in batch]
+                waiting = [self._in_flight.get(r.keys[0]) for r in batch]
                 with _writing_to_inference(waiting):
-                    self._allreduce(batch, comm)
+                    if head.template().reduce_op == ReduceOp.ADASUM:
+                        self._adasum(batch, comm)
+                    else:
+                        self._allreduce(batch, comm)
             elif head.kind == RequestType.ALLGATHER:
                 self._allgather(head, comm, members)
             elif head.kind == RequestType.BROADCAST:
@@ -1184,11 +1281,11 @@ class Engine:
                 end = self.timeline.now()
                 times = (start, start, end, end)
                 self._trace_collective(
-                    entries, head.kind, self._batch_number, times, head.num_bytes
+                    entries, head.kind.name, self._batch_number, times, head.num_bytes
                 )
 
     def _trace_negotiated(self, batch: list[Response]) -> tuple[list[Entry | None], int]:
-        """NEGOTIATE and QUEUE for this rank's tensors of a batch that starts now.
+        """NEGOTIATE_<OP> and QUEUE for this rank's tensors of a batch that starts now.
 
         Returns:
             (the batch's entries on this rank, the batch's start).
@@ -1196,22 +1293,24 @@ class Engine:
         timeline = self.timeline
         assert timeline is not None
         start = timeline.now()
-        args = f'{{"op":"{batch[0].kind.name}"}}'
+        kind = _op_label(batch[0])
+        args = f'{{"op":"{kind}"}}'
+        negotiate = f"NEGOTIATE_{kind}"
         with self._wakeup:
-            entries = [self._in_flight.get(name) for r in batch for name in r.names]
+            entries = [self._in_flight.get(key) for r in batch for key in r.keys]
         for entry in entries:
             if entry is None or not entry.submitted:
                 continue
-            row = timeline.row(entry.request.name)
+            row = timeline.row(key_label(entry.request.key))
             agreed = max(self._agreed_at, entry.submitted)
-            timeline.complete(row, "NEGOTIATE", entry.submitted, agreed, args)
+            timeline.complete(row, negotiate, entry.submitted, agreed, args)
             timeline.complete(row, "QUEUE", agreed, start)
         return entries, start
 
     def _trace_collective(
         self,
         entries: Sequence[Entry | None],
-        kind: RequestType,
+        label: str,
         number: int,
         times: tuple[int, int, int, int],
         nbytes: int,
@@ -1230,26 +1329,26 @@ class Engine:
         for entry in entries:
             if entry is None:
                 continue
-            row = timeline.row(entry.request.name)
+            row = timeline.row(key_label(entry.request.key))
             if issued > start:
                 timeline.complete(row, "MEMCPY_IN_FUSION_BUFFER", start, issued, batch)
-            timeline.complete(row, kind.name, issued, done, detail)
+            timeline.complete(row, label, issued, done, detail)
             if end > done:
                 timeline.complete(row, "MEMCPY_OUT_FUSION_BUFFER", done, end, batch)
 
-    def _take(self, name: str) -> Entry | None:
-        return self._take_all([name])[0]
+    def _take(self, key: Key) -> Entry | None:
+        return self._take_all([key])[0]
 
-    def _take_all(self, names: list[str]) -> list[Entry | None]:
-        """Take these names' entries out of the in-flight table (``None`` where there is none);
+    def _take_all(self, keys: list[Key]) -> list[Entry | None]:
+        """Take these keys' entries out of the in-flight table (``None`` where there is none);
         should the cycle raise, their handles fail with the engine (see ``_cycle``)."""
         with self._wakeup:
-            entries = [self._in_flight.pop(name, None) for name in names]
+            entries = [self._in_flight.pop(key, None) for key in keys]
         self._taken.extend(entry for entry in entries if entry is not None)
         return entries
 
-    def _fail_name(self, name: str, message: str) -> None:
-        entry = self._take(name)
+    def _fail_name(self, key: Key, message: str) -> None:
+        entry = self._take(key)
         if entry is not None:
             entry.handle._fail(message)
 
@@ -1262,7 +1361,7 @@ class Engine:
         timeline = self.timeline
         started = timeline.now() if timeline is not None else 0
         number = self._batch_number
-        entries = [self._take(r.names[0]) for r in batch]
+        entries = [self._take(r.keys[0]) for r in batch]
         head = batch[0].template()
         inputs: list[torch.Tensor] = []
         for response, entry in zip(batch, entries):
@@ -1281,9 +1380,7 @@ class Engine:
         else:
             flat = torch.cat([t.reshape(-1) for t in inputs])
         set_size = len(self.process_sets.members(batch[0].process_set_id))
-        postscale = head.postscale
-        if head.reduce_op == ReduceOp.AVERAGE:
-            postscale /= set_size
+        divisor = set_size if head.reduce_op == ReduceOp.AVERAGE else 1
         op = ReduceOp.SUM if head.reduce_op == ReduceOp.AVERAGE else head.reduce_op
         work_dtype, work_op = _compute_dtype(flat.dtype, op)
         work = flat
@@ -1298,19 +1395,52 @@ class Engine:
             # On the finisher thread: a single tensor is reduced in its own storage, which
             # may be an inference tensor (as when _allreduce scaled it before the wire).
             with _writing_to_inference(entries):
-                result = _scale(work, postscale)
+                result = _postscale(work, divisor, head.postscale)
                 if result is not flat:
                     flat.copy_(result)
                 _copy_out_pieces(entries, flat, [t.numel() for t in inputs])
             if timeline is not None:
                 times = (started, issued, done, timeline.now())
                 nbytes = flat.numel() * flat.itemsize
-                self._trace_collective(entries, RequestType.ALLREDUCE, number, times, nbytes)
+                self._trace_collective(entries, "ALLREDUCE", number, times, nbytes)
 
         self._finisher.add(pending, complete, [e for e in entries if e is not None])
 
+    def _adasum(self, batch: list[Response], comm: Communicator) -> None:
+        """Run one fused Adasum allreduce (see hora.common.adasum) on this thread.
+
+        Adasum is a sequence of exchanges with partners, not one collective; allreduces still
+        completing on the finisher use the same communicator, so they finish first.
+        """
+        self._finisher.drain()
+        timeline = self.timeline
+        started = timeline.now() if timeline is not None else 0
+        entries = [self._take(r.keys[0]) for r in batch]
+        head = batch[0].template()
+        dtype = _torch_dtype(head.dtype)
+        inputs = [
+            entry.tensor.reshape(-1)
+            if entry is not None and entry.tensor is not None
+            else torch.zeros(response.template().num_elements, dtype=dtype)  # joined: zeros
+            for response, entry in zip(batch, entries)
+        ]
+        counts = [t.numel() for t in inputs]
+        # Halves are combined in float32 (their products and sums would lose too much).
+        work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        work = torch.cat([t.to(device="cpu", dtype=work_dtype) for t in inputs])
+        work = _scale(work, head.prescale)
+        issued = timeline.now() if timeline is not None else 0
+        adasum.allreduce(work, counts, comm)
+        done = timeline.now() if timeline is not None else 0
+        work = _scale(work, head.postscale)
+        _copy_out_pieces(entries, work.to(dtype), counts)
+        if timeline is not None:
+            times = (started, issued, done, timeline.now())
+            nbytes = work.numel() * work.itemsize
+            self._trace_collective(entries, "ADASUM", self._batch_number, times, nbytes)
+
     def _allgather(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
-        entry = self._take(response.names[0])
+        entry = self._take(response.keys[0])
         if entry is None or entry.tensor is None:
             return
         requests = response.requests[0]
@@ -1333,7 +1463,7 @@ class Engine:
         _finish(entry, output.to(tensor.device))
 
     def _broadcast(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
-        entry = self._take(response.names[0])
+        entry = self._take(response.keys[0])
         if entry is None or entry.tensor is None:
             return
         output = entry.output if entry.output is not None else entry.tensor
@@ -1346,7 +1476,7 @@ class Engine:
         _finish(entry, output)
 
     def _alltoall(self, response: Response, comm: Communicator, members: tuple[int, ...]) -> None:
-        entry = self._take(response.names[0])
+        entry = self._take(response.keys[0])
         if entry is None or entry.tensor is None:
             return
         requests = response.requests[0]
@@ -1377,7 +1507,7 @@ class Engine:
     def _reducescatter(
         self, response: Response, comm: Communicator, members: tuple[int, ...]
     ) -> None:
-        entry = self._take(response.names[0])
+        entry = self._take(response.keys[0])
         if entry is None or entry.tensor is None:
             return
         request = response.template()
@@ -1397,8 +1527,8 @@ class Engine:
         chunks = list(work.reshape(-1).split([n * row for n in rows]))
         output = torch.empty(rows[me] * row, dtype=work_dtype)
         comm.reducescatter(output, chunks, work_op)
-        postscale = request.postscale / (count if request.reduce_op == ReduceOp.AVERAGE else 1)
-        output = _scale(output, postscale)
+        divisor = count if request.reduce_op == ReduceOp.AVERAGE else 1
+        output = _postscale(output, divisor, request.postscale)
         result = output.reshape((rows[me], *rest)).to(device=tensor.device, dtype=tensor.dtype)
         _finish(entry, result)
 
@@ -1414,7 +1544,7 @@ class Engine:
             removed = self._communicators.pop(set_id, None)
             if removed is not None:
                 removed.close()
-        entry = self._take(template.name)
+        entry = self._take(template.key)
         if entry is not None:
             _finish(entry, set_id)
 
@@ -1486,6 +1616,22 @@ class Engine:
         if report and not report.startswith(f"rank {self.rank}: "):
             return f"rank {self.rank} stopped after a failure on another rank: {report}"
         return f"rank {self.rank}: a collective failed while every rank is still alive: {error}"
+
+
+def _keys_from_json(data: bytes) -> list[Key]:
+    """Keys as ``_record_waits`` writes them; malformed records count as no waits."""
+    try:
+        items = json.loads(data.decode())
+        return [(int(set_id), str(name)) for set_id, name in items]
+    except (ValueError, TypeError):
+        return []
+
+
+def _op_label(response: Response) -> str:
+    """The operation's name in the timeline: the request kind, or ADASUM (as Horovod names it)."""
+    if response.kind == RequestType.ALLREDUCE and response.template().reduce_op == ReduceOp.ADASUM:
+        return "ADASUM"
+    return response.kind.name
 
 
 def _writing_to_inference(entries: Sequence[Entry | None]) -> Any:

@@ -16,6 +16,15 @@ class HoraInternalError(RuntimeError):
 HorovodInternalError = HoraInternalError
 
 
+class HoraValueError(ValueError, RuntimeError):
+    """A call hora refuses before it runs: an argument it cannot take, or an unsupported operation.
+
+    It is both a ``ValueError`` and a ``RuntimeError``: for such calls Horovod raises one or the
+    other depending on where it checks (Python or its C++ core), and scripts catch either.
+    It is not a :class:`HoraInternalError`, so an elastic job does not reset for it.
+    """
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Raised in elastic jobs when the set of hosts changed and the workers must re-form."""
 

@@ -47,6 +47,10 @@ class ReduceOp(enum.IntEnum):
         return self.name.capitalize()
 
 
+# A name within its process set: names are unique per set, as in Horovod, where every process
+# set negotiates on its own. The same name may be in flight in two sets at once.
+Key = tuple[int, str]
+
 # Kinds whose tensors may differ in the first dimension between ranks.
 VARIABLE_FIRST_DIM = frozenset({RequestType.ALLGATHER, RequestType.ALLTOALL})
 # Kinds whose tensors are combined element-wise, so the shape must match exactly.
@@ -71,6 +75,7 @@ class Request:
         splits: for alltoall, the rows this rank sends to each member of the set.
         group: ``(group name, number of members)`` when the request is part of a grouped op.
         ranks: for process-set registration, the member ranks.
+        key: ``(process_set_id, name)``, what identifies the request on a rank and across ranks.
     """
 
     name: str
@@ -86,6 +91,11 @@ class Request:
     splits: tuple[int, ...] | None = None
     group: tuple[str, int] | None = None
     ranks: tuple[int, ...] | None = None
+    key: Key = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Made once: the engine looks requests up by key on every submission.
+        object.__setattr__(self, "key", (self.process_set_id, self.name))
 
     @property
     def num_elements(self) -> int:
@@ -156,6 +166,12 @@ class Request:
         return " ".join(parts)
 
 
+def key_label(key: Key) -> str:
+    """How a key is shown to users: the name, and the process set unless it is the global one."""
+    set_id, name = key
+    return name if set_id == 0 else f"{name} (process set {set_id})"
+
+
 def format_shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
@@ -224,6 +240,11 @@ class Response:
     error: str | None = None
     joined_ranks: frozenset[int] = field(default_factory=frozenset)
     last_joined_rank: int = -1
+
+    @property
+    def keys(self) -> list[Key]:
+        """The names with the process set: how the engine finds the entries of this response."""
+        return [(self.process_set_id, name) for name in self.names]
 
     def template(self, index: int = 0) -> Request:
         """A representative request of entry ``index`` (the lowest rank's)."""

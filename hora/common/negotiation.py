@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hora.common.message import (
     ELEMENTWISE,
     VARIABLE_FIRST_DIM,
-    ReduceOp,
+    Key,
     Request,
     RequestType,
     Response,
@@ -26,6 +26,7 @@ from hora.common.message import (
 from hora.common.process_sets import ProcessSetTable
 
 JOIN_NAME = "join.noname"
+JOIN_KEY: Key = (0, JOIN_NAME)
 
 # Kinds whose agreed requests go into the response cache.
 CACHEABLE = frozenset(
@@ -42,19 +43,19 @@ CACHEABLE = frozenset(
 class ResponseCache:
     """Requests that already ran, so a repeat can travel as one bit instead of a full request.
 
-    Each entry holds, for one name, the request every rank made last time and a bit position.
-    All ranks update the cache from the same responses in the same order, so positions agree
-    everywhere. Eviction is least-recently-used.
+    Each entry holds, for one name of one process set, the request every rank made last time
+    and a bit position. All ranks update the cache from the same responses in the same order, so
+    positions agree everywhere. Eviction is least-recently-used.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[int, dict[int, Request]]] = OrderedDict()
-        self._by_bit: dict[int, str] = {}
+        self._entries: OrderedDict[Key, tuple[int, dict[int, Request]]] = OrderedDict()
+        self._by_bit: dict[int, Key] = {}
 
     def bit_for(self, request: Request, rank: int) -> int | None:
         """The bit to send for ``request`` from ``rank``, if the cache holds an identical one."""
-        entry = self._entries.get(request.name)
+        entry = self._entries.get(request.key)
         if entry is None:
             return None
         bit, per_rank = entry
@@ -66,17 +67,17 @@ class ResponseCache:
         Raises:
             ValueError: the bit is not in use (ranks' caches disagree: an internal error).
         """
-        name = self._by_bit.get(bit)
-        if name is None:
+        key = self._by_bit.get(bit)
+        if key is None:
             raise ValueError(f"rank {rank} sent response-cache bit {bit}, which is not in use")
-        return self._entries[name][1][rank]
+        return self._entries[key][1][rank]
 
-    def cached(self, name: str, requests: dict[int, Request]) -> dict[int, Request] | None:
+    def cached(self, key: Key, requests: dict[int, Request]) -> dict[int, Request] | None:
         """The cached per-rank requests when ``requests`` are exactly those (all cache hits).
 
         Such a response was validated when it entered the cache, so it need not be again.
         """
-        entry = self._entries.get(name)
+        entry = self._entries.get(key)
         if entry is None:
             return None
         per_rank = entry[1]
@@ -87,22 +88,22 @@ class ResponseCache:
                 return None
         return per_rank
 
-    def put(self, name: str, per_rank: dict[int, Request]) -> None:
+    def put(self, key: Key, per_rank: dict[int, Request]) -> None:
         if self.capacity <= 0:
             return
-        entry = self._entries.get(name)
+        entry = self._entries.get(key)
         if entry is not None:
             if entry[1] is not per_rank:
-                self._entries[name] = (entry[0], dict(per_rank))
-            self._entries.move_to_end(name)
+                self._entries[key] = (entry[0], dict(per_rank))
+            self._entries.move_to_end(key)
             return
         if len(self._entries) < self.capacity:
             bit = len(self._entries)
         else:
-            old_name, (bit, _) = self._entries.popitem(last=False)
+            _, (bit, _) = self._entries.popitem(last=False)
             del self._by_bit[bit]
-        self._entries[name] = (bit, dict(per_rank))
-        self._by_bit[bit] = name
+        self._entries[key] = (bit, dict(per_rank))
+        self._by_bit[bit] = key
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -117,29 +118,38 @@ class PendingName:
 
 
 class MessageTable:
-    """Requests that some but not yet all ranks have made, keyed by name, in arrival order."""
+    """Requests that some but not yet all ranks have made, in arrival order.
+
+    Keyed by ``(process set, name)``: each process set has its own names, so ranks of two sets
+    may use the same name at once (unnamed ops of disjoint sets are numbered alike). All sets
+    share one table and one agreed order, so an op of the global set is ordered against the
+    others, and ops of disjoint sets become ready independently of each other.
+    """
 
     def __init__(self, process_sets: ProcessSetTable) -> None:
         self.process_sets = process_sets
-        self.pending: dict[str, PendingName] = {}
+        self.pending: dict[Key, PendingName] = {}
         self.joined: dict[int, None] = {}  # ordered set of global ranks that called join
         self.last_joined_rank = -1
+        # When a request last arrived or a response was decided (time.monotonic()).
+        self.changed = time.monotonic()
 
     def add(self, rank: int, request: Request) -> None:
+        self.changed = time.monotonic()
         if request.kind == RequestType.JOIN:
             self.joined[rank] = None
             self.last_joined_rank = rank
-        entry = self.pending.get(request.name)
+        entry = self.pending.get(request.key)
         if entry is None:
-            entry = self.pending[request.name] = PendingName()
+            entry = self.pending[request.key] = PendingName()
         entry.requests[rank] = request
 
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def missing_ranks(self, name: str) -> list[int]:
-        """Members of the name's process set that have neither submitted it nor joined."""
-        entry = self.pending[name]
+    def missing_ranks(self, key: Key) -> list[int]:
+        """Members of the key's process set that have neither submitted it nor joined."""
+        entry = self.pending[key]
         template = next(iter(entry.requests.values()))
         members = self._members_or_empty(template.process_set_id)
         return [r for r in members if r not in entry.requests and r not in self.joined]
@@ -149,8 +159,8 @@ class MessageTable:
             return ()
         return self.process_sets.members(process_set_id)
 
-    def _decidable(self, name: str) -> bool:
-        entry = self.pending[name]
+    def _decidable(self, key: Key) -> bool:
+        entry = self.pending[key]
         template = next(iter(entry.requests.values()))
         if template.kind == RequestType.JOIN:
             return False
@@ -158,59 +168,66 @@ class MessageTable:
             # Some rank used a set this rank does not know: fail it as soon as anyone asks.
             return True
         members = self.process_sets.members(template.process_set_id)
-        present = [r for r in members if r in entry.requests]
         if any(r not in members for r in entry.requests):
             return True
         absent = [r for r in members if r not in entry.requests]
         if not absent:
             return True
-        # Ranks that joined stand in for allreduce with zeros; any other op fails on them.
-        return bool(present) and all(r in self.joined for r in absent)
+        if template.kind != RequestType.ALLREDUCE:
+            # A member that joined never submits it: only allreduce runs while a member is
+            # joined, so fail it now rather than wait (ranks that numbered their unnamed ops
+            # differently would otherwise wait for each other forever).
+            return any(r in self.joined for r in absent)
+        # Ranks that joined stand in for an allreduce with zeros.
+        return all(r in self.joined for r in absent)
 
     def ready(self, cache: ResponseCache) -> list[Response]:
         """Remove and return the responses every rank can run now, in a deterministic order."""
         responses: list[Response] = []
-        decided: set[str] = set()
-        for name in list(self.pending):
-            if name in decided or not self._decidable(name):
+        decided: set[Key] = set()
+        for key in list(self.pending):
+            if key in decided or not self._decidable(key):
                 continue
-            entry = self.pending[name]
+            entry = self.pending[key]
             template = next(iter(entry.requests.values()))
             if template.group is not None:
-                members = self._group_members(template.group)
+                members = self._group_members(template)
                 if members is None:
                     continue
                 for member in members:
                     responses.append(self._respond(member, self.pending[member].requests, cache))
                     decided.add(member)
             else:
-                responses.append(self._respond(name, entry.requests, cache))
-                decided.add(name)
-        for name in decided:
-            del self.pending[name]
+                responses.append(self._respond(key, entry.requests, cache))
+                decided.add(key)
+        for key in decided:
+            del self.pending[key]
+        if decided:
+            self.changed = time.monotonic()
         for response in responses:
             if response.error is None and response.kind in CACHEABLE and not response.joined_ranks:
-                cache.put(response.names[0], response.requests[0])
+                cache.put(response.keys[0], response.requests[0])
         self._complete_join(responses)
         return responses
 
-    def _group_members(self, group: tuple[str, int]) -> list[str] | None:
-        count = group[1]
-        names = [
-            name
-            for name, entry in self.pending.items()
-            if next(iter(entry.requests.values())).group == group
+    def _group_members(self, template: Request) -> list[Key] | None:
+        group, set_id = template.group, template.process_set_id
+        assert group is not None
+        keys = [
+            key
+            for key, entry in self.pending.items()
+            if key[0] == set_id and next(iter(entry.requests.values())).group == group
         ]
-        if len(names) < count or not all(self._decidable(n) for n in names):
+        if len(keys) < group[1] or not all(self._decidable(k) for k in keys):
             return None
-        return names
+        return keys
 
     def _complete_join(self, responses: list[Response]) -> None:
-        if JOIN_NAME not in self.pending:
+        if JOIN_KEY not in self.pending:
             return
         everyone = self.process_sets.members(0)
         if all(r in self.joined for r in everyone):
-            requests = self.pending.pop(JOIN_NAME).requests
+            requests = self.pending.pop(JOIN_KEY).requests
             responses.append(
                 Response(
                     kind=RequestType.JOIN,
@@ -221,8 +238,9 @@ class MessageTable:
             )
             self.joined.clear()
 
-    def _respond(self, name: str, requests: dict[int, Request], cache: ResponseCache) -> Response:
-        cached = None if self.joined else cache.cached(name, requests)
+    def _respond(self, key: Key, requests: dict[int, Request], cache: ResponseCache) -> Response:
+        name = key[1]
+        cached = None if self.joined else cache.cached(key, requests)
         if cached is not None:
             template = next(iter(cached.values()))
             return Response(
@@ -372,6 +390,4 @@ def validate(
             "joined: only allreduce is supported with join. Specify sparse_as_dense=True if "
             "using DistributedOptimizer."
         )
-    if kind == RequestType.ALLREDUCE and template.reduce_op == ReduceOp.ADASUM:
-        return "Adasum is not supported by hora's Gloo transport; use op=hvd.Average."
     return None

@@ -2,7 +2,8 @@
 
 It reads the negotiation table (which every rank holds in full) and, on global rank 0, logs which
 ranks are missing which tensors. Past the shutdown limit it returns a reason to stop the job.
-It knows the table's contents, never tensors.
+It also recognises a deadlock, where every rank waits for a tensor another rank never submits,
+from what each rank says it waits for. It knows the table's contents, never tensors or stores.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from hora.common.message import Key, key_label
 from hora.common.negotiation import MessageTable
 
 logger = logging.getLogger("hora")
@@ -50,12 +52,12 @@ class StallInspector:
         missing: dict[int, list[str]] = {}
         stalled_too_long: set[int] = set()
         longest = 0.0
-        for name, entry in table.pending.items():
+        for key, entry in table.pending.items():
             waited = now - entry.first_seen
             if waited < self.warning_time_s:
                 continue
-            for rank in table.missing_ranks(name):
-                missing.setdefault(rank, []).append(name)
+            for rank in table.missing_ranks(key):
+                missing.setdefault(rank, []).append(key_label(key))
                 if self.shutdown_time_s > 0 and waited >= self.shutdown_time_s:
                     stalled_too_long.add(rank)
             longest = max(longest, waited)
@@ -94,3 +96,46 @@ class StallInspector:
                 "names: a rank that skips a step, or names tensors differently, stalls the job."
             )
         return "\n".join(lines)
+
+    def deadlock(
+        self, table: MessageTable, waits: dict[int, list[Key]], idle_s: float
+    ) -> str | None:
+        """The shutdown reason when every rank waits for a tensor that is still negotiated.
+
+        Args:
+            table: the negotiation table.
+            waits: for every rank of the job, the keys its blocked threads wait for.
+            idle_s: how long nothing has arrived in, or left, the table.
+
+        Returns:
+            ``None`` unless every rank waits on a key that some other rank has not submitted:
+            then nobody can move, and the text says who waits for what from whom.
+        """
+        lines = []
+        for rank in sorted(waits):
+            pending = [key for key in waits[rank] if key in table.pending]
+            blocking = [(key, table.missing_ranks(key)) for key in pending]
+            blocking = [(key, missing) for key, missing in blocking if missing]
+            if not blocking:
+                return None
+            key, missing = blocking[0]
+            who = _ranks_text(missing)
+            verb = "has" if len(missing) == 1 else "have"
+            lines.append(
+                f"  rank {rank} waits for {key_label(key)}, which {who} {verb} not submitted"
+            )
+        return "\n".join(
+            [
+                f"Deadlock: every rank waits for a collective that another rank has not submitted, "
+                f"and nothing has changed for {idle_s:.0f} s:",
+                *lines,
+                "Every rank must make the same collective calls, in the same order or under the "
+                "same names: a rank that skipped a call, took another branch, or stopped half-way "
+                "through a sequence of calls (an exception caught and ignored) leaves the others "
+                "waiting. hora ends the job now instead of waiting forever.",
+            ]
+        )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)

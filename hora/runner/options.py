@@ -253,13 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--stall-check-warning-time-seconds",
         type=float,
         default=None,
-        help="warn after a stall this long (HORA_STALL_CHECK_TIME_SECONDS)",
+        help="warn after a stall this long (HORA_STALL_CHECK_TIME_SECONDS; default 60)",
     )
     stall.add_argument(
         "--stall-check-shutdown-time-seconds",
         type=float,
         default=None,
-        help="shut down after a stall this long (HORA_STALL_SHUTDOWN_TIME_SECONDS)",
+        help="end the job after a stall this long (HORA_STALL_SHUTDOWN_TIME_SECONDS; default "
+        "600, 0 waits forever)",
     )
 
     library = parser.add_argument_group("library options")

@@ -39,6 +39,8 @@ FIRST_TENSOR_ROW = 2
 
 BACKWARD = "BACKWARD"
 OPTIMIZER_STEP = "OPTIMIZER_STEP"
+# A call's negotiation; written as NEGOTIATE_<OP> (NEGOTIATE_ALLREDUCE, ...), as Horovod names
+# it, and read back as this one phase (timelines of older hora versions wrote NEGOTIATE alone).
 NEGOTIATE = "NEGOTIATE"
 WAIT_FOR_BATCH = "WAIT_FOR_BATCH"
 QUEUE = "QUEUE"
@@ -64,7 +66,8 @@ class Event:
     """One trace event.
 
     Attributes:
-        name: the event's name (``NEGOTIATE``, ``BACKWARD``, ``thread_name``, ...).
+        name: the event's name (``NEGOTIATE``, ``BACKWARD``, ``thread_name``, ...); every
+            ``NEGOTIATE_<OP>`` is read as ``NEGOTIATE``, the op being in ``args``.
         ph: its Chrome-trace phase: ``X`` complete, ``i`` instant, ``M`` metadata.
         rank: the ``pid``, which is the rank.
         tid: the row within the rank.
@@ -256,6 +259,8 @@ def _event(raw: Any) -> Event | None:
     except (TypeError, ValueError):
         return None
     args = raw.get("args")
+    if name.startswith(NEGOTIATE + "_"):
+        name = NEGOTIATE
     return Event(name, ph, rank, tid, ts, dur, args if isinstance(args, dict) else {}, raw)
 
 

@@ -89,3 +89,57 @@ def test_stall_inspector_shuts_a_stalled_job_down(np: int) -> None:
         # Every rank learns why: the inspector's report travels with the shutdown.
         assert "stalled for longer than 3 seconds" in observed["message"]
         assert "1!: [allreduce.x]" in observed["message"]
+
+
+# Deadlocks are recognised after HORA_GLOO_TIMEOUT_SECONDS; the stall limits stay at their
+# defaults (a warning after 60 s, the end of the job after 600 s), far beyond this test.
+DEADLOCK_ENV = {"HORA_GLOO_TIMEOUT_SECONDS": "3"}
+
+
+def _half_way_worker() -> dict[str, Any]:
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    from .jobs import error_of
+
+    hvd.init()
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(2), name="before")
+    # Rank 0 stops half-way through a sequence of calls (a test whose assertion failed, say)
+    # and goes on to its clean-up barrier; the others make their next call of the sequence.
+    start = time.monotonic()
+    if rank == 0:
+        failed = error_of(hvd.barrier)
+    else:
+        failed = error_of(lambda: hvd.allgather(torch.ones(1, 2)))
+    elapsed_s = time.monotonic() - start
+    # The next collective raises (the job was shut down), and a new init works again.
+    after = error_of(lambda: hvd.allreduce(torch.ones(1), name="after"))
+    hvd.init()
+    again = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="again")
+    hvd.shutdown()
+    return {"failed": failed, "elapsed_s": elapsed_s, "after": after, "again": again}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_deadlock_ends_the_job_naming_who_waits_for_what(np: int) -> None:
+    ranks = run_job(_half_way_worker, np, env=DEADLOCK_ENV, timeout_s=60)
+
+    for rank, observed in enumerate(ranks):
+        failed = observed["failed"]
+        assert failed is not None, f"rank {rank}'s call completed"
+        assert "HoraInternalError" in failed["types"]
+        message = failed["message"]
+        assert "Deadlock: every rank waits" in message, message
+        others = "rank 1" if np == 2 else "ranks 1, 2"
+        assert f"rank 0 waits for barrier.noname.0, which {others}" in message
+        for other in range(1, np):
+            assert f"rank {other} waits for allgather.noname." in message
+            assert "which rank 0 has not submitted" in message
+        assert 3 <= observed["elapsed_s"] < 20, observed
+        assert "shut down" in observed["after"]["message"]
+        assert observed["again"].tolist() == [float(np)]

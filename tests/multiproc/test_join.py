@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from .jobs import run_job
+from .jobs import assert_raised, error_of, run_job
 from .references import assert_same, expected_allreduce, rank_input
 
 STEPS = 5
@@ -66,3 +66,56 @@ def test_joined_rank_contributes_zeros_and_join_agrees_on_last_rank(np: int) -> 
     assert [observed["last_joined"] for observed in ranks] == [np - 1] * np
     for observed in ranks:
         assert_same(observed["after_join"], torch.full((2,), float(sum(range(1, np + 1)))))
+
+
+def _join_in_turn_worker() -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out: dict[str, Any] = {"averages": [], "gather_errors": [], "broadcast_errors": [], "last": []}
+    for first in range(size):
+        # Every rank in turn joins first; the others average, gather and broadcast meanwhile.
+        if rank == first:
+            out["last"].append(hvd.join())
+        else:
+            for dtype in (torch.int32, torch.float32):
+                x = rank_input(first, "join.x", (5,), dtype)  # the same on every rank
+                out["averages"].append(hvd.allreduce(x, name=f"avg.{dtype}", op=hvd.Average))
+            # Named differently on each rank (as unnamed ops are, once ranks made different
+            # numbers of calls): no name is ever complete, yet each fails at once.
+            out["gather_errors"].append(
+                error_of(lambda: hvd.allgather(torch.ones(2, 2), name=f"gather.{rank}"))
+            )
+            out["broadcast_errors"].append(
+                error_of(lambda: hvd.broadcast(torch.ones(2), 0, name="joined.broadcast"))
+            )
+            out["last"].append(hvd.join())
+        out.setdefault("agreed", []).append(hvd.allgather_object(out["last"][-1]))
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_while_a_rank_has_joined_other_ops_fail_at_once_and_averages_are_exact(np: int) -> None:
+    ranks = run_job(_join_in_turn_worker, np)
+    for rank, observed in enumerate(ranks):
+        averages = iter(observed["averages"])
+        for first in range(np):
+            assert observed["agreed"][first] == [observed["last"][first]] * np
+            assert observed["last"][first] != first
+            if rank == first:
+                continue
+            for dtype in (torch.int32, torch.float32):
+                x = rank_input(first, "join.x", (5,), dtype)
+                # (size - 1) ranks contribute x, the joined one zeros; Average divides by size.
+                if dtype.is_floating_point:
+                    expected = x * (np - 1) / np
+                else:
+                    expected = torch.div(x * (np - 1), np, rounding_mode="trunc")
+                assert torch.equal(next(averages), expected), (rank, first, dtype)
+        for error in observed["gather_errors"] + observed["broadcast_errors"]:
+            assert_raised(error, RuntimeError, "joined: only allreduce is supported with join")

@@ -75,9 +75,9 @@ def test_a_job_writes_one_merged_timeline_with_every_ranks_phases(tmp_path: Path
         assert len(grads) == 4, rows  # two weights, two biases
         for tid in grads:
             phases = [e["name"] for e in mine if e.get("tid") == tid and e["ph"] == "X"]
-            waits = [p for p in phases if p in ("NEGOTIATE", "WAIT_FOR_BATCH")]
+            waits = [p for p in phases if p in ("NEGOTIATE_ALLREDUCE", "WAIT_FOR_BATCH")]
             assert len(waits) == STEPS and phases.count("ALLREDUCE") == STEPS, (rank, phases)
-            assert "WAIT_FOR_BATCH" in waits and "NEGOTIATE" in waits
+            assert "WAIT_FOR_BATCH" in waits and "NEGOTIATE_ALLREDUCE" in waits
         collectives = [e for e in mine if e["name"] == "ALLREDUCE"]
         assert all(e["args"]["bytes"] > 0 and e["args"]["tensors"] >= 1 for e in collectives)
         assert counts["BROADCAST"] == 1

@@ -9,7 +9,17 @@ def test_defaults_match_horovod() -> None:
     assert s.cycle_time_ms == 1.0
     assert s.cache_capacity == 1024
     assert s.stall_check_time_s == 60
-    assert s.stall_shutdown_time_s == 0
+
+
+def test_a_stall_ends_the_job_after_ten_minutes_unless_told_otherwise() -> None:
+    # Horovod waits forever by default; hora turns a stall into an error.
+    assert Settings.from_env({}).stall_shutdown_time_s == 600
+    assert (
+        Settings.from_env({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}).stall_shutdown_time_s == 0
+    )
+    # A check time beyond the default moves the default shutdown with it (never below it).
+    later = Settings.from_env({"HORA_STALL_CHECK_TIME_SECONDS": "900"})
+    assert later.stall_shutdown_time_s == 900
 
 
 def test_horovod_names_are_honoured_and_hora_names_win() -> None:

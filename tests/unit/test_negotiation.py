@@ -72,7 +72,7 @@ def test_cache_bits_are_identical_across_replicas_and_evict_lru() -> None:
     replicas = [ResponseCache(2), ResponseCache(2)]
     for cache in replicas:
         for name in ("a", "b", "a", "c"):
-            cache.put(name, {0: _req(name)})
+            cache.put((0, name), {0: _req(name)})
     assert replicas[0].bit_for(_req("a"), 0) == replicas[1].bit_for(_req("a"), 0)
     assert replicas[0].bit_for(_req("b"), 0) is None  # least recently used, evicted
     assert replicas[0].bit_for(_req("c", shape=(9,)), 0) is None  # changed request: no hit
@@ -93,6 +93,51 @@ def test_join_lets_allreduce_proceed_and_reports_last_rank() -> None:
     table.add(1, Request("join.noname", RequestType.JOIN))
     (response,) = table.ready(cache)
     assert response.kind == RequestType.JOIN and response.last_joined_rank == 1
+
+
+def test_join_fails_other_ops_at_once_even_when_ranks_named_them_differently() -> None:
+    # Three ranks; rank 1 joined. Ranks 0 and 2 numbered their unnamed allgathers differently
+    # (their handle counters diverged), so neither name will ever be complete: each must fail
+    # at once instead of waiting for a rank that joined.
+    table = MessageTable(ProcessSetTable(3))
+    cache = ResponseCache(0)
+    table.add(1, Request("join.noname", RequestType.JOIN))
+    table.add(0, _req("allgather.noname.7", kind=RequestType.ALLGATHER, shape=(1,)))
+    table.add(2, _req("allgather.noname.9", kind=RequestType.ALLGATHER, shape=(1,)))
+    responses = table.ready(cache)
+    assert sorted(r.names[0] for r in responses) == ["allgather.noname.7", "allgather.noname.9"]
+    assert all("rank 1 joined" in (r.error or "") for r in responses)
+    # An allreduce still waits for the members that have not joined.
+    table.add(0, _req("allreduce.y"))
+    assert table.ready(cache) == []
+    table.add(2, _req("allreduce.y"))
+    (response,) = table.ready(cache)
+    assert response.error is None and response.joined_ranks == frozenset({1})
+
+
+def test_names_belong_to_their_process_set() -> None:
+    sets = ProcessSetTable(4)
+    sets.add(1, (0, 1))
+    sets.add(2, (2, 3))
+    table = MessageTable(sets)
+    cache = ResponseCache(16)
+    # The same unnamed op in two disjoint sets at once: two operations, not one.
+    for rank in (0, 2):
+        set_id = 1 if rank < 2 else 2
+        table.add(rank, _req("allreduce.noname.3", process_set_id=set_id))
+    assert table.ready(cache) == []
+    table.add(3, _req("allreduce.noname.3", process_set_id=2))
+    (second,) = table.ready(cache)
+    assert second.error is None and second.process_set_id == 2
+    table.add(1, _req("allreduce.noname.3", process_set_id=1))
+    (first,) = table.ready(cache)
+    assert first.error is None and first.process_set_id == 1
+    # Each set's entry has its own cache bit.
+    bits = {
+        cache.bit_for(_req("allreduce.noname.3", process_set_id=set_id), rank)
+        for set_id, rank in ((1, 0), (2, 2))
+    }
+    assert len(bits) == 2 and None not in bits
 
 
 def test_grouped_requests_are_released_together() -> None:

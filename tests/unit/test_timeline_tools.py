@@ -73,7 +73,7 @@ def _call(
     """One allreduce of ``tensor``: submitted at ``submit``, its batch runs over ``span``."""
     tid = trace.row(tensor)
     start, end = span
-    first = "NEGOTIATE" if batch < 2 else "WAIT_FOR_BATCH"
+    first = "NEGOTIATE_ALLREDUCE" if batch < 2 else "WAIT_FOR_BATCH"
     trace.x(first, tid, submit, start, op="ALLREDUCE")
     trace.x("MEMCPY_IN_FUSION_BUFFER", tid, start, start + 0.5 * MS, batch=batch)
     trace.x("ALLREDUCE", tid, start + 0.5 * MS, end - 0.5 * MS, batch=batch, **op)
@@ -178,6 +178,23 @@ def test_summary_of_a_job_with_a_late_rank(tmp_path: Path) -> None:
     assert fusion.bytes_per_batch_mean == pytest.approx((1024 + 8192) / 2)
     assert fusion.bytes_per_batch_max == 8192
     assert fusion.fused_call_share == pytest.approx(2 / 3)
+
+
+def test_negotiation_spans_of_earlier_versions_are_read_alike(tmp_path: Path) -> None:
+    # hora wrote NEGOTIATE before it took Horovod's NEGOTIATE_<OP> names: both are one phase.
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    current = tl.summarize(tl.load(_write(tmp_path / "new", _job())))
+    traces = _job()
+    for trace in traces:
+        for event in trace.events:
+            if event["name"] == "NEGOTIATE_ALLREDUCE":
+                event["name"] = "NEGOTIATE"
+    earlier = tl.summarize(tl.load(_write(tmp_path / "old", traces)))
+    assert [(r.negotiated_calls, r.steady_calls) for r in earlier.per_rank] == [(3, 27)] * 3
+    assert [r.wait_ms_total for r in earlier.per_rank] == [
+        r.wait_ms_total for r in current.per_rank
+    ]
 
 
 def test_the_text_answers_the_three_questions(tmp_path: Path) -> None:
@@ -352,7 +369,7 @@ def test_no_rank_stands_out_when_the_last_one_alternates(tmp_path: Path) -> None
     for trace in traces:  # each rank submits 'a' 1 ms late in every other step
         for e in trace.events:
             if (
-                e["name"] in ("NEGOTIATE", "WAIT_FOR_BATCH")
+                e["name"] in ("NEGOTIATE_ALLREDUCE", "WAIT_FOR_BATCH")
                 and e["tid"] == trace.rows["allreduce.grad.a"]
             ):
                 step = round((e["ts"] - T0) // STEP)
