@@ -33,7 +33,12 @@ from hora.common.basics import register_process_set as add_process_set
 from hora.common.basics import shutdown as _shutdown
 from hora.common.basics import unregister_process_set as remove_process_set
 from hora.common.engine import Handle as _Handle
-from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.common.errors import (
+    HoraInternalError,
+    HoraValueError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+)
 from hora.common.process_sets import ProcessSet
 from hora.torch import elastic
 from hora.torch.compression import Compression
@@ -111,6 +116,7 @@ __all__ = [
     "Average",
     "Compression",
     "HoraInternalError",
+    "HoraValueError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "Max",

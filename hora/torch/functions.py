@@ -144,6 +144,16 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter without a gradient a zero one (sparse for SparseAdam)."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zero = torch.zeros_like(p)
+                p.grad = zero.to_sparse() if sparse else zero
+
+
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
 ) -> None:
@@ -160,6 +170,11 @@ def broadcast_optimizer_state(
     del model
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state_dict()["state"]:
+        # A fresh optimizer leaves with a zero gradient on every trainable parameter, as in
+        # Horovod (which steps on zero gradients to create the state): scripts read or
+        # broadcast p.grad right after this call.
+        _zero_missing_grads(optimizer)
     root_has_state = broadcast_object(
         bool(optimizer.state_dict()["state"]), root_rank, name="broadcast_optimizer_state.has"
     )

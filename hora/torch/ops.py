@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from hora.common import basics
+from hora.common import adasum, basics
 from hora.common.engine import Entry, Handle, dtype_name
-from hora.common.errors import HoraInternalError
+from hora.common.errors import HoraInternalError, HoraValueError
 from hora.common.message import ReduceOp, Request, RequestType
 from hora.common.process_sets import ProcessSet
 from hora.torch.compression import Compression
@@ -49,12 +49,12 @@ def _check_process_set(process_set: ProcessSet, kind: RequestType) -> int:
     engine = basics.engine()
     set_id = process_set.process_set_id
     if set_id is None or not engine.process_sets.contains(set_id):
-        raise ValueError(
+        raise HoraValueError(
             f"{_op_label(kind)}: {process_set} is not registered. Pass it to "
             "hvd.init(process_sets=[...]) or hvd.add_process_set(...) on every rank first."
         )
     if engine.rank not in engine.process_sets.members(set_id):
-        raise ValueError(
+        raise HoraValueError(
             f"{_op_label(kind)}: Rank {engine.rank} is not a member of the provided process set."
         )
     return set_id
@@ -64,21 +64,23 @@ def _check_tensor(tensor: Any, kind: RequestType) -> str:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{_op_label(kind)} expects a torch.Tensor, got {type(tensor).__name__}.")
     if not tensor.is_contiguous():
-        raise ValueError("Tensor is required to be contiguous.")
+        raise HoraValueError("Tensor is required to be contiguous.")
     if tensor.is_sparse:
-        raise ValueError(
+        raise HoraValueError(
             f"{_op_label(kind)} does not take sparse tensors; use sparse_allreduce_async or "
             "convert with tensor.to_dense()."
         )
     name = dtype_name(tensor.dtype)
     if name is None:
-        raise ValueError(f"Tensor type {tensor.dtype} is not supported.")
+        raise HoraValueError(f"Tensor type {tensor.dtype} is not supported.")
     return name
 
 
 def _resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
     if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        raise HoraValueError(
+            "The op parameter supersedes average. Please provide only one of them."
+        )
     if average is not None:
         warnings.warn(
             "Parameter `average` has been replaced with `op` and will be removed.",
@@ -91,7 +93,7 @@ def _resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
     try:
         return ReduceOp(int(op))
     except (TypeError, ValueError):
-        raise ValueError(
+        raise HoraValueError(
             f"{_op_label(kind)}: unknown reduction op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, "
             "hvd.Max or hvd.Product."
         ) from None
@@ -109,7 +111,7 @@ def _submit_reduction(
     grouped: bool,
 ) -> Handle:
     """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
-    _check_reduction(kind, tensors, reduce_op)
+    _check_reduction(kind, tensors, reduce_op, process_set)
     prefix = _PREFIXES[kind]
     return _submit(
         kind,
@@ -126,20 +128,49 @@ def _submit_reduction(
 
 
 def _check_reduction(
-    kind: RequestType, tensors: Sequence[torch.Tensor], reduce_op: ReduceOp
+    kind: RequestType,
+    tensors: Sequence[torch.Tensor],
+    reduce_op: ReduceOp,
+    process_set: ProcessSet | None = None,
 ) -> None:
-    """Raise if hora cannot run ``reduce_op`` on these tensors."""
+    """Raise if hora cannot run ``reduce_op`` on these tensors (in ``process_set``, if given)."""
     if reduce_op == ReduceOp.ADASUM:
-        raise NotImplementedError(
-            "Adasum is not implemented in hora (Horovod runs it only over MPI). Use op=hvd.Average."
-        )
+        check_adasum(kind, tensors, process_set)
     if reduce_op == ReduceOp.AVERAGE and any(
         isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors
     ):
-        raise ValueError(
+        raise HoraValueError(
             f"{_op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
             "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
         )
+
+
+def check_adasum(
+    kind: RequestType, tensors: Sequence[torch.Tensor], process_set: ProcessSet | None
+) -> None:
+    """Adasum's constraints, as Horovod states them (NotImplementedError is a RuntimeError)."""
+    if kind != RequestType.ALLREDUCE:
+        raise HoraValueError(
+            f"{_op_label(kind)} currently only supports AVERAGE and SUM; op=hvd.Adasum is for "
+            "allreduce, grouped_allreduce and DistributedOptimizer."
+        )
+    if process_set is not None and process_set.process_set_id not in (None, 0):
+        raise NotImplementedError(
+            "Adasum does not support non-global process sets yet: use op=hvd.Adasum on the "
+            "global process set, or op=hvd.Average within a process set."
+        )
+    size = basics.size()
+    if not adasum.is_power_of_two(size):
+        raise NotImplementedError(
+            f"Running Adasum with non-power of 2 ranks is not supported yet: this job has {size} "
+            "ranks. Run 1, 2, 4, 8, ... ranks, or use op=hvd.Average."
+        )
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            raise HoraValueError(
+                f"Adasum combines floating-point tensors only (float16, bfloat16, float32, "
+                f"float64), not {tensor.dtype}; use op=hvd.Sum or hvd.Average for it."
+            )
 
 
 def _full_name(prefix: str, name: str | None, handle: Handle) -> str:
@@ -168,7 +199,7 @@ def _submit(
     base = _full_name(prefix, name, handle)
     count = len(tensors)
     if grouped and len({t.device for t in tensors}) > 1:
-        raise ValueError("Tensors in list must be on same device.")
+        raise HoraValueError("Tensors in list must be on same device.")
     entries = []
     for index, (tensor, output) in enumerate(zip(tensors, outputs)):
         full = f"{base}_{index + 1}of{count}" if grouped else base
@@ -228,7 +259,7 @@ class RepeatedAllreduce:
         process_set: ProcessSet,
         lend: bool = False,
     ) -> None:
-        _check_reduction(RequestType.ALLREDUCE, [], op)
+        _check_reduction(RequestType.ALLREDUCE, [], op, process_set)
         self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
         self._lend = lend
         self._process_set = process_set
@@ -266,7 +297,7 @@ class RepeatedAllreduce:
             or request.device != ("cpu" if tensor.is_cpu else tensor.device.type)
             or not tensor.is_contiguous()
         ):
-            _check_reduction(kind, [tensor], self._fields["reduce_op"])
+            _check_reduction(kind, [tensor], self._fields["reduce_op"], self._process_set)
             request = _request(kind, self._name, tensor, set_id, None, self._fields)
             self._request, self._engine, self._dtype = request, engine, tensor.dtype
         if tensor.is_cuda:
@@ -578,7 +609,7 @@ def sparse_allreduce_async(
     """
     reduce_op = _resolve_op(op, None, RequestType.ALLREDUCE)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError("sparse_allreduce_async supports only hvd.Average and hvd.Sum.")
+        raise HoraValueError("sparse_allreduce_async supports only hvd.Average and hvd.Sum.")
     tensor = tensor.coalesce() if not tensor.is_coalesced() else tensor
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
@@ -602,7 +633,7 @@ def sparse_allreduce_async(
 def _check_not_scalar(tensors: Sequence[torch.Tensor]) -> None:
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
-            raise ValueError(
+            raise HoraValueError(
                 "Process-set rank zero tried to ALLGATHER a rank-zero tensor: allgather needs at "
                 "least one dimension (use tensor.reshape(1))."
             )
@@ -798,28 +829,28 @@ def broadcast_(
 def _normalize_splits(tensor: torch.Tensor, splits: Any, set_size: int) -> tuple[int, ...] | None:
     if splits is None:
         if tensor.dim() == 0 or tensor.shape[0] % set_size != 0:
-            raise ValueError(
+            raise HoraValueError(
                 "splits not provided, but first dimension of tensor is not an even multiple of "
                 f"the number of workers ({set_size})."
             )
         return None
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1:
-            raise ValueError("alltoall expects a 1D splits tensor")
+            raise HoraValueError("alltoall expects a 1D splits tensor")
         if splits.dtype not in (torch.int32, torch.int64):
-            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+            raise HoraValueError("alltoall expects splits to contain 32-bit integer elements.")
         values = tuple(int(v) for v in splits.cpu().tolist())
     else:
         values = tuple(int(v) for v in splits)
     if len(values) != set_size:
-        raise ValueError(
+        raise HoraValueError(
             f"Number of entries in splits ({len(values)}) does not equal number of workers "
             f"({set_size})."
         )
     if any(v < 0 for v in values):
-        raise ValueError(f"alltoall splits must be >= 0, got {list(values)}.")
+        raise HoraValueError(f"alltoall splits must be >= 0, got {list(values)}.")
     if tensor.dim() == 0 or sum(values) > tensor.shape[0]:
-        raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
+        raise HoraValueError("Sum of splits entries is greater than the first dimension of tensor.")
     return values
 
 
@@ -891,9 +922,9 @@ def _reducescatter_submit(
 ) -> Handle:
     reduce_op = _resolve_op(op, None, RequestType.REDUCESCATTER)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
+        raise HoraValueError("Reducescatter currently only supports AVERAGE and SUM.")
     if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
-        raise ValueError("Reducescatter needs a tensor with at least one dimension.")
+        raise HoraValueError("Reducescatter needs a tensor with at least one dimension.")
     return _submit_reduction(
         RequestType.REDUCESCATTER,
         tensors,

@@ -19,7 +19,7 @@ import torch
 
 from hora.common import basics
 from hora.common.engine import owns_its_memory
-from hora.common.message import ReduceOp
+from hora.common.message import ReduceOp, RequestType
 from hora.common.process_sets import ProcessSet
 from hora.common.timeline import TRAINING_ROW
 from hora.torch import ops
@@ -520,6 +520,112 @@ _PER_PARAMETER_STEP = True
 _PART_MIN_ELEMENTS = 1 << 20
 
 
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """``DistributedOptimizer(op=hvd.Adasum)``: combines the ranks' *updates* with Adasum.
+
+    Adasum combines what each rank's optimizer would do with its own gradient: as soon as a
+    parameter's gradient is in, its hook runs the wrapped optimizer's step for that parameter
+    alone, on this rank's gradient, and submits the change (``delta``) with
+    ``op=hvd.Adasum``; the parameter keeps its value meanwhile. ``step()`` waits for the
+    combined deltas and applies them. Each rank keeps its own optimizer state, updated from
+    its own gradients, as in Horovod.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Any,
+        compression: Any,
+        backward_passes_per_step: int,
+    ) -> None:
+        super(self._hora_class, self).__init__(params)  # type: ignore[misc]
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self._parameter_names = {
+            p: f"delta.{name[len('grad.') :]}"
+            for p, name in _parameter_names(self.param_groups, named_parameters).items()
+        }
+        self._requires_update = [
+            p for group in self.param_groups for p in group["params"] if p.requires_grad
+        ]
+        self._delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._requires_update
+        ]
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        pending = self._handles.get(p)
+        if pending is not None and pending[0] is not None and self._delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._delay[p] -= 1
+        self._handles[p] = self._submit_delta(p) if self._delay[p] == 0 else (None, None)
+
+    def _submit_delta(self, p: torch.Tensor) -> tuple[Any, Any]:
+        """Step ``p`` alone on this rank's gradient; submit the change; put ``p`` back."""
+        with torch.no_grad():
+            start = p.detach().clone()
+            self._step_only([p])
+            delta = p.detach() - start
+            p.copy_(start)
+        compressed, ctx = self._compression.compress(delta)
+        handle = ops.allreduce_async_(compressed, name=self._parameter_names[p], op=ReduceOp.ADASUM)
+        return handle, ctx
+
+    def _step_only(self, params: list[torch.Tensor]) -> None:
+        saved = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [p for p in group["params"] if any(p is q for q in params)]
+            super(self._hora_class, self).step()  # type: ignore[misc]
+        finally:
+            for group, params_of_group in zip(self.param_groups, saved):
+                group["params"] = params_of_group
+
+    def synchronize(self) -> None:
+        """Nothing to do: the combined deltas are applied by ``step()``."""
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise AssertionError(
+            "Skipping synchronization is not supported when using Adasum optimizer: "
+            "op=hvd.Adasum combines optimizer updates, not gradients, so there are no reduced "
+            "gradients to clip between synchronize() and step()."
+        )
+        yield  # pragma: no cover - a generator for contextmanager
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        # Parameters whose hook did not run this step (no gradient on this rank) still submit
+        # a delta, so that every rank submits the same names.
+        for p in self._requires_update:
+            pending = self._handles.get(p)
+            if pending is None or pending[0] is None:
+                self._handles[p] = self._submit_delta(p)
+        with torch.no_grad():
+            for p, (handle, ctx) in self._handles.items():
+                delta = self._compression.decompress(ops.synchronize(handle), ctx)
+                p.add_(delta.to(p.dtype))
+                self._delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(handle is not None for handle, _ in self._handles.values()):
+            raise AssertionError(_ZERO_GRAD_RACE)
+        super(self._hora_class, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+
+_DistributedAdasumOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
+
 def _global_step_hooks() -> bool:
     """Whether step hooks were registered for every optimizer (torch.optim's global hooks)."""
     from torch.optim import optimizer as torch_optimizer
@@ -613,7 +719,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         named_parameters: ``model.named_parameters()``; names the allreduces (recommended).
         compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16``.
         backward_passes_per_step: backward passes to accumulate locally before reducing.
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        op: ``hvd.Average`` (default), ``hvd.Sum``, or ``hvd.Adasum`` (each rank steps on its
+            own gradient and the updates are combined with Adasum; a power-of-two number of
+            ranks, the global process set; see docs/training.md).
         gradient_predivide_factor: divide gradients by this before the sum and multiply after
             (Average only).
         num_groups: deprecated; use ``groups``.
@@ -631,12 +739,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         ...     optimizer, named_parameters=model.named_parameters())
     """
     reduce_op = ReduceOp(int(op))
-    if reduce_op == ReduceOp.ADASUM:
-        raise NotImplementedError(
-            "op=hvd.Adasum is not implemented in hora. Use op=hvd.Average (the default)."
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+        raise ValueError(
+            "DistributedOptimizer supports op=hvd.Average, op=hvd.Sum and op=hvd.Adasum."
         )
-    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError("DistributedOptimizer supports op=hvd.Average and op=hvd.Sum.")
     if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step <= 0:
@@ -651,14 +757,19 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             groups = num_groups
     if hasattr(optimizer, "_requires_update"):
         raise ValueError("The optimizer is already a DistributedOptimizer.")
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        dict(_DistributedOptimizer.__dict__),
-    )
+    adasum = reduce_op == ReduceOp.ADASUM and basics.size() > 1
+    if adasum:
+        # Checked here, not at the first step: a job of 3 ranks fails at once.
+        ops.check_adasum(RequestType.ALLREDUCE, [], process_set)
+    methods = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(methods.__dict__))
     # The methods call the wrapped optimizer's as super(cls, self): a subclass of the result
     # (as PyTorch Lightning makes) then still reaches the wrapped class, not itself again.
     cls._hora_class = cls  # type: ignore[attr-defined]
+    if adasum:
+        return cls(  # type: ignore[no-any-return]
+            optimizer.param_groups, named_parameters, compression, backward_passes_per_step
+        )
     return cls(  # type: ignore[no-any-return]
         optimizer.param_groups,
         named_parameters,

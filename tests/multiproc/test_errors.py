@@ -37,6 +37,17 @@ def _mismatches(hvd: Any, rank: int) -> dict[str, Any]:
     }
 
 
+def _refused_calls(hvd: Any) -> dict[str, Any]:
+    """Calls hora refuses before they run (Horovod raises ValueError or RuntimeError for them)."""
+    return {
+        "reducescatter_max": error_of(lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max)),
+        "reducescatter_scalar": error_of(lambda: hvd.reducescatter(torch.tensor(1.0))),
+        "allgather_scalar": error_of(lambda: hvd.allgather(torch.tensor(1.0))),
+        "not_contiguous": error_of(lambda: hvd.allreduce_async_(torch.ones(4, 2).t())),
+        "bad_op": error_of(lambda: hvd.allreduce(torch.ones(2), op=17)),
+    }
+
+
 def _duplicate_names(hvd: Any, rank: int, size: int) -> list[dict[str, Any] | None]:
     """Each rank in turn submits a name twice while the first is surely still pending.
 
@@ -72,6 +83,7 @@ def _errors_worker() -> dict[str, Any]:
     out["mismatch"] = _mismatches(hvd, rank)
     out["after_mismatch"] = hvd.allreduce(torch.full((3,), float(rank)), op=hvd.Sum, name="ok")
     out["duplicates"] = _duplicate_names(hvd, rank, size)
+    out["refused"] = _refused_calls(hvd)
     out["add_process_set_without_env"] = error_of(lambda: hvd.add_process_set(hvd.ProcessSet([0])))
     hvd.shutdown()
     out["initialized_after_shutdown"] = hvd.is_initialized()
@@ -145,6 +157,27 @@ def test_duplicate_name_in_flight_raises_value_error_at_once(job: Any) -> None:
     for observed in ranks:
         for error in observed["duplicates"]:
             assert_raised(error, ValueError, "same name", "currently being processed")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("reducescatter_max", "only supports AVERAGE and SUM"),
+        ("reducescatter_scalar", "at least one dimension"),
+        ("allgather_scalar", "rank-zero tensor"),
+        ("not_contiguous", "contiguous"),
+        ("bad_op", "unknown reduction op"),
+    ],
+)
+def test_refused_calls_are_value_and_runtime_errors(job: Any, case: str, fragment: str) -> None:
+    # Scripts written for Horovod catch one or the other; neither triggers an elastic reset.
+    _, ranks = job
+    for observed in ranks:
+        error = observed["refused"][case]
+        assert_raised(error, ValueError, fragment)
+        assert_raised(error, RuntimeError, fragment)
+        assert "HoraInternalError" not in error["types"]
 
 
 @pytest.mark.timeout(120)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from hora.common.errors import HoraInternalError
 from hora.torch.optimizer import _HOLD_BELOW
@@ -460,7 +461,11 @@ def _behaviour_worker() -> dict[str, Any]:
     out["unnamed"] = error_of(lambda: wrap(named_parameters=named[:-1]))
     out["bad_passes"] = error_of(lambda: wrap(backward_passes_per_step=0))
     out["predivide_sum"] = error_of(lambda: wrap(op=hvd.Sum, gradient_predivide_factor=2.0))
-    out["adasum"] = error_of(lambda: wrap(op=hvd.Adasum))
+    out["adasum"] = error_of(
+        lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(_model(seed=9).parameters(), lr=0.1), op=hvd.Adasum
+        )
+    )
     out["lbfgs"] = error_of(
         lambda: hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
     )
@@ -514,6 +519,23 @@ def _behaviour_worker() -> dict[str, Any]:
         embedding(torch.tensor([rank, rank + 1])).sum().backward()
         opt.synchronize()
         out[f"sparse_grad_{sparse_as_dense}"] = embedding.weight.grad.to_dense().clone()
+
+    # A fresh optimizer: its state stays empty (Adam's step count starts at zero, as in one
+    # process), and every trainable parameter without a gradient gets a zero one, which a
+    # Horovod script may broadcast right away.
+    fresh_model = _model(seed=6)
+    fresh_model[0].bias.requires_grad_(False)
+    fresh = hvd.DistributedOptimizer(
+        torch.optim.Adam(fresh_model.parameters(), lr=0.1),
+        named_parameters=fresh_model.named_parameters(),
+    )
+    hvd.broadcast_optimizer_state(fresh, root_rank=0)
+    out["fresh_state"] = len(fresh.state)
+    out["fresh_grads"] = {
+        name: None if p.grad is None else p.grad.clone()
+        for name, p in fresh_model.named_parameters()
+    }
+    out["fresh_grad_broadcast"] = hvd.broadcast(fresh_model[0].weight.grad, root_rank=0)
 
     # Sum instead of Average; and hyperparameters travel with broadcast_optimizer_state.
     summed = hvd.DistributedOptimizer(
@@ -589,7 +611,10 @@ def test_bad_arguments_are_explained(behaviour: list[dict[str, Any]]) -> None:
         assert_raised(observed["unnamed"], ValueError, "were not named")
         assert_raised(observed["bad_passes"], ValueError, "backward_passes_per_step must be > 0")
         assert_raised(observed["predivide_sum"], ValueError, "gradient_predivide_factor")
-        assert_raised(observed["adasum"], NotImplementedError, "Adasum")
+        if observed["size"] == 3:  # Adasum needs a power-of-two number of ranks
+            assert_raised(observed["adasum"], NotImplementedError, "Adasum", "3 ranks")
+        else:
+            assert observed["adasum"] is None
         assert_raised(observed["lbfgs"], ValueError, "cannot broadcast torch.optim.LBFGS state")
         assert_raised(observed["bad_params"], ValueError, "invalid params of type")
 
@@ -638,6 +663,18 @@ def test_sparse_gradients_are_averaged_sparse_or_dense(behaviour: list[dict[str,
     for observed in behaviour:
         for sparse_as_dense in (False, True):
             assert observed[f"sparse_grad_{sparse_as_dense}"].allclose(expected)
+
+
+@pytest.mark.timeout(150)
+def test_broadcast_state_of_a_fresh_optimizer_leaves_zero_gradients(
+    behaviour: list[dict[str, Any]],
+) -> None:
+    for observed in behaviour:
+        assert observed["fresh_state"] == 0
+        grads = observed["fresh_grads"]
+        assert grads.pop("0.bias") is None  # frozen: no gradient
+        assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+        assert torch.equal(observed["fresh_grad_broadcast"], grads["0.weight"])
 
 
 @pytest.mark.timeout(150)
