@@ -567,7 +567,7 @@ class Engine:
         self._wait_for_turn()
         timeline = self.timeline
         if timeline is not None and timeline.mark_cycles:
-            timeline.instant(ENGINE_ROW, "CYCLE")
+            timeline.instant(ENGINE_ROW, "CYCLE_START")
         new = self._drain()
         contributions = self._exchange(new)
         shutdown_reason = self._integrate(contributions)
@@ -603,6 +603,8 @@ class Engine:
         # Counted from the end of the last cycle: after a long cycle, the user thread gets a
         # cycle time to submit its next request before an idle exchange goes out without it.
         deadline = self._last_cycle_end + self.settings.cycle_time_ms / 1000
+        if self.size == 1 and self.timeline is not None and not self._queue:
+            self.timeline.flush()  # a job of one waits for work without parking
         with self._wakeup:
             while not self._queue and self._shutdown_reason is None:
                 remaining = deadline - time.monotonic()
@@ -614,6 +616,9 @@ class Engine:
         """Sleep until this rank has work, another rank rings, or a check is due."""
         generation = self._parked_generation = self._parked_generation + 1
         wake_key = f"g{self._generation}/wake/{generation}"
+        if self.timeline is not None:
+            # Idle: what happened so far reaches the file now, for anyone reading it meanwhile.
+            self.timeline.flush()
         if self.rank == 0:
             if generation > 1:
                 self._store.delete(f"g{self._generation}/wake/{generation - 1}")

@@ -5,7 +5,8 @@ line, so a file stays readable (by :func:`read_events`, Perfetto and ``chrome://
 the process dies. At a normal shutdown rank 0 merges the ranks' files into one.
 
 Writing costs one formatted line per event: names are escaped once per row, and events are
-buffered and written out every :data:`FLUSH_INTERVAL_S` and after every optimizer step.
+buffered and written out every :data:`FLUSH_INTERVAL_S`, after every optimizer step, and when
+the engine goes idle.
 """
 
 from __future__ import annotations

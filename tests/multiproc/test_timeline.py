@@ -112,7 +112,7 @@ def test_horarun_timeline_flag(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     events = json.loads(path.read_text())
     assert {e["pid"] for e in events if e["name"] == "ALLREDUCE"} == {0, 1}
-    assert any(e["name"] == "CYCLE" for e in events)
+    assert any(e["name"] == "CYCLE_START" for e in events)
 
 
 @pytest.mark.timeout(120)
@@ -145,3 +145,28 @@ def test_a_timeline_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> N
     text = str(error) + " ".join(str(e) for e in error.errors.values())
     assert "cannot write the timeline file" in text and "HORA_TIMELINE" in text, text
     assert "rank 0" in text or "rank 1" in text
+
+
+def _read_while_running() -> str:
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(3), name="while_running")
+    time.sleep(0.3)  # the engine goes idle meanwhile
+    text = Path(os.environ["HORA_TIMELINE"]).read_text() if hvd.rank() == 0 else ""
+    hvd.shutdown()
+    return text
+
+
+@pytest.mark.timeout(120)
+def test_the_file_shows_a_finished_call_while_the_job_runs(tmp_path: Path) -> None:
+    # As Horovod's own timeline test reads it: names as Horovod writes them, before the end.
+    path = tmp_path / "live.json"
+    env = {"HORA_TIMELINE": str(path), "HORA_TIMELINE_MARK_CYCLES": "1"}
+    text = run_job(_read_while_running, 2, env=env)[0]
+    for expected in ("allreduce.while_running", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"):
+        assert expected in text, text[:2000]

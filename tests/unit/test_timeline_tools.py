@@ -315,10 +315,10 @@ def test_a_merged_file_next_to_leftover_rank_files_counts_each_event_once(tmp_pa
 
 def test_equal_events_within_one_file_are_all_kept(tmp_path: Path) -> None:
     trace = Trace(0)
-    trace.instant("CYCLE", T0)
-    trace.instant("CYCLE", T0)  # two cycles within one microsecond
+    trace.instant("CYCLE_START", T0)
+    trace.instant("CYCLE_START", T0)  # two cycles within one microsecond
     timeline = tl.load(_write(tmp_path, [trace]))
-    assert [e.name for e in timeline.events].count("CYCLE") == 2
+    assert [e.name for e in timeline.events].count("CYCLE_START") == 2
 
 
 def test_merge_writes_one_valid_trace_of_every_rank(tmp_path: Path) -> None:

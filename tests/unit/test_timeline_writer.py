@@ -16,7 +16,7 @@ def test_a_closed_timeline_is_one_valid_json_array(tmp_path: Path) -> None:
     start = writer.now()
     assert abs(start / 1e6 - time.time()) < 5
     writer.complete(row, "ALLREDUCE", start, start + 250, '{"batch":1,"tensors":1,"bytes":40}')
-    writer.instant(tl.ENGINE_ROW, "CYCLE")
+    writer.instant(tl.ENGINE_ROW, "CYCLE_START")
     writer.close()
     writer.complete(row, "ALLREDUCE", start, start + 1)  # after close: dropped
     events = json.loads((tmp_path / "t.json").read_text())
@@ -25,7 +25,7 @@ def test_a_closed_timeline_is_one_valid_json_array(tmp_path: Path) -> None:
     (collective,) = [e for e in events if e["ph"] == "X"]
     assert collective["dur"] == 250 and collective["tid"] == row and collective["pid"] == 0
     assert collective["args"] == {"batch": 1, "tensors": 1, "bytes": 40}
-    assert [e["name"] for e in events if e["ph"] == "i"] == ["CYCLE"]
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["CYCLE_START"]
 
 
 def test_a_file_whose_writer_died_is_still_readable(tmp_path: Path) -> None:
