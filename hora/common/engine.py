@@ -1438,7 +1438,7 @@ class Engine:
         adasum.allreduce(work, counts, comm)
         done = timeline.now() if timeline is not None else 0
         work = _scale(work, head.postscale)
-        _copy_out_pieces(entries, work.to(dtype), counts)
+        _copy_out_pieces(entries, work.to(device=inputs[0].device, dtype=dtype), counts)
         if timeline is not None:
             times = (started, issued, done, timeline.now())
             nbytes = work.numel() * work.itemsize

@@ -83,6 +83,23 @@ def _collectives(device: Any) -> dict[str, Any]:
         scattered.is_cuda,
         torch.equal(scattered.cpu(), torch.full((3, 2), float(size))),
     )
+    if size & (size - 1) == 0:
+        # Orthogonal vectors are added by Adasum; equal ones are averaged.
+        one_hot = torch.zeros(2 * size, device=device)
+        one_hot[2 * rank] = 1.0
+        summed = hvd.allreduce(one_hot, op=hvd.Adasum, name="adasum.orthogonal")
+        equal = hvd.allreduce(torch.full((9,), 2.0, device=device), op=hvd.Adasum, name="adasum")
+        out["adasum"] = (
+            summed.is_cuda and equal.is_cuda,
+            torch.equal(summed.cpu(), torch.tensor([1.0, 0.0] * size))
+            and torch.equal(equal.cpu(), torch.full((9,), 2.0)),
+        )
+    else:
+        try:
+            hvd.allreduce(torch.ones(2, device=device), op=hvd.Adasum)
+            out["adasum"] = (True, False)
+        except NotImplementedError:
+            out["adasum"] = (True, True)
     return out
 
 
@@ -283,7 +300,8 @@ def cuda_job(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     "case",
     [f"allreduce_{d}" for d in DTYPES]
-    + ["average", "in_place", "grouped", "allgather", "broadcast", "alltoall", "reducescatter"],
+    + ["average", "in_place", "grouped", "allgather", "broadcast", "alltoall", "reducescatter"]
+    + ["adasum"],
 )
 def test_collectives_on_cuda_tensors(cuda_job: list[dict[str, Any]], case: str) -> None:
     for rank, observed in enumerate(cuda_job):
