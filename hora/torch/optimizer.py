@@ -39,6 +39,23 @@ _ZERO_GRAD_RACE = (
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
 )
 
+
+def _guarded_zero_grad(self: Any, set_to_none: bool = True) -> None:
+    """``zero_grad()``, refused while reductions are in flight (Horovod's guard)."""
+    if any(handle is not None for handle, _ in self._handles.values()):
+        raise AssertionError(_ZERO_GRAD_RACE)
+    super(self._hora_class, self).zero_grad(set_to_none)
+
+
+def _set_backward_passes_per_step(self: Any, passes: int) -> None:
+    """Change how many backward passes accumulate locally before an allreduce."""
+    if passes <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    self.backward_passes_per_step = passes
+    for p in self._delay:
+        self._delay[p] = passes
+
+
 # A held gradient: its parameter and the gradient tensor its hook saw (see _batches_now).
 _Held = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -475,18 +492,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             timeline.flush()
         return result
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(handle is not None for handle, _ in self._handles.values()):
-            raise AssertionError(_ZERO_GRAD_RACE)
-        super(self._hora_class, self).zero_grad(set_to_none)  # type: ignore[misc]
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes accumulate locally before an allreduce."""
-        if passes <= 0:
-            raise ValueError("backward_passes_per_step must be > 0")
-        self.backward_passes_per_step = passes
-        for p in self._delay:
-            self._delay[p] = passes
+    zero_grad = _guarded_zero_grad
+    set_backward_passes_per_step = _set_backward_passes_per_step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
@@ -572,15 +579,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         handle = ops.allreduce_async_(compressed, name=self._parameter_names[p], op=ReduceOp.ADASUM)
         return handle, ctx
 
-    def _step_only(self, params: list[torch.Tensor]) -> None:
-        saved = [group["params"] for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["params"] = [p for p in group["params"] if any(p is q for q in params)]
-            super(self._hora_class, self).step()  # type: ignore[misc]
-        finally:
-            for group, params_of_group in zip(self.param_groups, saved):
-                group["params"] = params_of_group
+    _step_only = _DistributedOptimizer._step_only
 
     def synchronize(self) -> None:
         """Nothing to do: the combined deltas are applied by ``step()``."""
@@ -610,17 +609,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(handle is not None for handle, _ in self._handles.values()):
-            raise AssertionError(_ZERO_GRAD_RACE)
-        super(self._hora_class, self).zero_grad(set_to_none)  # type: ignore[misc]
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        if passes <= 0:
-            raise ValueError("backward_passes_per_step must be > 0")
-        self.backward_passes_per_step = passes
-        for p in self._delay:
-            self._delay[p] = passes
+    zero_grad = _guarded_zero_grad
+    set_backward_passes_per_step = _set_backward_passes_per_step
 
 
 _DistributedAdasumOptimizer.step.hooked = True  # type: ignore[attr-defined]
