@@ -45,6 +45,8 @@ from hora.common.message import (
     RequestType,
     Response,
     key_label,
+    key_parts,
+    make_key,
 )
 from hora.common.negotiation import MessageTable, ResponseCache
 from hora.common.process_sets import ProcessSetTable
@@ -665,15 +667,16 @@ class Engine:
         now = time.monotonic()
         with self._wakeup:
             blocked = self._blocked
-            return sorted(
+            awaited = [
                 key
                 for key, entry in self._in_flight.items()
                 if now - blocked.get(entry.handle, now) >= WAIT_RECORD_AFTER_S
-            )
+            ]
+        return sorted(awaited, key=key_parts)
 
     def _record_waits(self) -> None:
         """Record in the store what this rank's blocked threads wait for (when it changed)."""
-        text = json.dumps(self._awaited()) if self.size > 1 else ""
+        text = json.dumps([key_parts(k) for k in self._awaited()]) if self.size > 1 else ""
         if text == self._recorded_waits:
             return
         try:
@@ -1117,7 +1120,7 @@ class Engine:
                         first = min(i for i, k in enumerate(needed) if k in self._awaiting)
                         return steady.blocked_code(
                             first
-                        ), f"a result is awaited before {needed[first][1]}"
+                        ), f"a result is awaited before {schedule.current[first].name}"
                     timeout = min(timeout, grace - waited)
                 if stall_after and not warned and now - started > stall_after and now >= probe:
                     # Some rank waits for this one (it recorded so), or every rank is busy
@@ -1129,7 +1132,7 @@ class Engine:
                             "rank %d has not submitted %s for %.0f s while other ranks wait for "
                             "them (steady state).",
                             self.rank,
-                            _names([k[1] for k in needed if k not in self._held]),
+                            _names([r.name for r in schedule.current if r.key not in self._held]),
                             now - started,
                         )
                 self._wakeup.wait(timeout=timeout)
@@ -1627,7 +1630,7 @@ def _keys_from_json(data: bytes) -> list[Key]:
     """Keys as ``_record_waits`` writes them; malformed records count as no waits."""
     try:
         items = json.loads(data.decode())
-        return [(int(set_id), str(name)) for set_id, name in items]
+        return [make_key(int(set_id), str(name)) for set_id, name in items]
     except (ValueError, TypeError):
         return []
 

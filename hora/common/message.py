@@ -48,8 +48,20 @@ class ReduceOp(enum.IntEnum):
 
 
 # A name within its process set: names are unique per set, as in Horovod, where every process
-# set negotiates on its own. The same name may be in flight in two sets at once.
-Key = tuple[int, str]
+# set negotiates on its own. The same name may be in flight in two sets at once. A name of the
+# global set is its own key (the common case costs nothing); another set's is (set id, name),
+# which never equals a string.
+Key = str | tuple[int, str]
+
+
+def make_key(process_set_id: int, name: str) -> Key:
+    return name if process_set_id == 0 else (process_set_id, name)
+
+
+def key_parts(key: Key) -> tuple[int, str]:
+    """``(process set id, name)`` of a key."""
+    return (0, key) if isinstance(key, str) else key
+
 
 # Kinds whose tensors may differ in the first dimension between ranks.
 VARIABLE_FIRST_DIM = frozenset({RequestType.ALLGATHER, RequestType.ALLTOALL})
@@ -95,7 +107,8 @@ class Request:
 
     def __post_init__(self) -> None:
         # Made once: the engine looks requests up by key on every submission.
-        object.__setattr__(self, "key", (self.process_set_id, self.name))
+        set_id = self.process_set_id
+        object.__setattr__(self, "key", self.name if set_id == 0 else (set_id, self.name))
 
     @property
     def num_elements(self) -> int:
@@ -168,8 +181,10 @@ class Request:
 
 def key_label(key: Key) -> str:
     """How a key is shown to users: the name, and the process set unless it is the global one."""
+    if isinstance(key, str):
+        return key
     set_id, name = key
-    return name if set_id == 0 else f"{name} (process set {set_id})"
+    return f"{name} (process set {set_id})"
 
 
 def format_shape(shape: Sequence[int]) -> str:
@@ -241,10 +256,13 @@ class Response:
     joined_ranks: frozenset[int] = field(default_factory=frozenset)
     last_joined_rank: int = -1
 
-    @property
-    def keys(self) -> list[Key]:
-        """The names with the process set: how the engine finds the entries of this response."""
-        return [(self.process_set_id, name) for name in self.names]
+    # The names with the process set: how the engine finds the entries of this response
+    # (made once; the engine looks them up several times per response).
+    keys: Sequence[Key] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_id = self.process_set_id
+        self.keys = self.names if set_id == 0 else [(set_id, name) for name in self.names]
 
     def template(self, index: int = 0) -> Request:
         """A representative request of entry ``index`` (the lowest rank's)."""

@@ -22,11 +22,12 @@ from hora.common.message import (
     Request,
     RequestType,
     Response,
+    key_parts,
 )
 from hora.common.process_sets import ProcessSetTable
 
 JOIN_NAME = "join.noname"
-JOIN_KEY: Key = (0, JOIN_NAME)
+JOIN_KEY: Key = JOIN_NAME  # join is global
 
 # Kinds whose agreed requests go into the response cache.
 CACHEABLE = frozenset(
@@ -216,7 +217,7 @@ class MessageTable:
         keys = [
             key
             for key, entry in self.pending.items()
-            if key[0] == set_id and next(iter(entry.requests.values())).group == group
+            if key_parts(key)[0] == set_id and next(iter(entry.requests.values())).group == group
         ]
         if len(keys) < group[1] or not all(self._decidable(k) for k in keys):
             return None
@@ -239,7 +240,7 @@ class MessageTable:
             self.joined.clear()
 
     def _respond(self, key: Key, requests: dict[int, Request], cache: ResponseCache) -> Response:
-        name = key[1]
+        name = key_parts(key)[1]
         cached = None if self.joined else cache.cached(key, requests)
         if cached is not None:
             template = next(iter(cached.values()))

@@ -78,6 +78,8 @@ def _names_worker(size: int) -> dict[str, Any]:
         out[f"{label}.again"] = hvd.allreduce(
             rank_input(rank, f"{label}.shared"), name=SHARED, op=hvd.Sum, process_set=process_set
         )
+    # A rank that shuts down ends the job: the ranks of two sets may not be done yet.
+    hvd.barrier()
     hvd.shutdown()
     return out
 

@@ -72,7 +72,7 @@ def test_cache_bits_are_identical_across_replicas_and_evict_lru() -> None:
     replicas = [ResponseCache(2), ResponseCache(2)]
     for cache in replicas:
         for name in ("a", "b", "a", "c"):
-            cache.put((0, name), {0: _req(name)})
+            cache.put(name, {0: _req(name)})
     assert replicas[0].bit_for(_req("a"), 0) == replicas[1].bit_for(_req("a"), 0)
     assert replicas[0].bit_for(_req("b"), 0) is None  # least recently used, evicted
     assert replicas[0].bit_for(_req("c", shape=(9,)), 0) is None  # changed request: no hit

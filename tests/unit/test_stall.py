@@ -17,7 +17,7 @@ def _table() -> MessageTable:
 
 def test_every_rank_waiting_on_what_others_never_submit_is_a_deadlock() -> None:
     inspector = StallInspector(60.0, 600.0, True)
-    waits = {0: [(0, "barrier.noname.0")], 1: [(0, "allgather.noname.7")]}
+    waits = {0: ["barrier.noname.0"], 1: ["allgather.noname.7"]}
     waits[2] = waits[1]
     text = inspector.deadlock(_table(), waits, idle_s=31)
     assert text is not None
@@ -29,8 +29,8 @@ def test_every_rank_waiting_on_what_others_never_submit_is_a_deadlock() -> None:
 def test_a_rank_that_waits_for_nothing_in_negotiation_means_no_deadlock() -> None:
     inspector = StallInspector(60.0, 600.0, True)
     # Rank 2 waits for a call that already runs (not in the table): it will move again.
-    waits = {0: [(0, "barrier.noname.0")], 1: [(0, "allgather.noname.7")], 2: [(0, "other")]}
+    waits = {0: ["barrier.noname.0"], 1: ["allgather.noname.7"], 2: ["other"]}
     assert inspector.deadlock(_table(), waits, idle_s=31) is None
     # Rank 1 waits for a name of another process set: not the pending one.
-    waits = {0: [(0, "barrier.noname.0")], 1: [(1, "allgather.noname.7")], 2: [(0, "x")]}
+    waits = {0: ["barrier.noname.0"], 1: [(1, "allgather.noname.7")], 2: ["x"]}
     assert inspector.deadlock(_table(), waits, idle_s=31) is None
