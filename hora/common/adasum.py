@@ -10,8 +10,9 @@ tree (rank 2k with 2k+1, then pairs of pairs, ...), each tensor of a fused buffe
 coefficients. The tree runs as a vector-halving, distance-doubling exchange: at each level a rank
 keeps half of its current segment and swaps the other half with its partner, so every rank
 computes the combination of one slice; the dot products and norms of each tensor are summed over
-the ranks that hold its slices. The slices then travel back up the tree until every rank holds
-the whole result. The number of ranks must be a power of two, as in Horovod.
+the ranks that hold its slices (accumulated in float64, as Horovod does; the combination is
+computed in the buffer's own precision). The slices then travel back up the tree until every
+rank holds the whole result. The number of ranks must be a power of two, as in Horovod.
 
 This module knows flat CPU buffers and a communicator's point-to-point exchange, never requests.
 """
@@ -35,48 +36,57 @@ def is_power_of_two(count: int) -> bool:
 
 def coefficients(
     dot: torch.Tensor, left_sq: torch.Tensor, right_sq: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tensor, the factors of the left and the right gradient (float64)."""
+) -> tuple[list[float], list[float]]:
+    """Per tensor, the factors of the left and the right gradient."""
     left = torch.where(left_sq >= _TINY_NORM_SQ, 1.0 - dot / (2.0 * left_sq), 1.0)
     right = torch.where(right_sq >= _TINY_NORM_SQ, 1.0 - dot / (2.0 * right_sq), 1.0)
-    return left, right
+    return left.tolist(), right.tolist()
 
 
-def combine(left: torch.Tensor, right: torch.Tensor, owner: torch.Tensor, count: int) -> None:
-    """Adasum of ``left`` and ``right`` over whole tensors, written into ``left``.
+# Below this many elements per tensor on average, one vectorised reduction over all tensors
+# beats a loop over them (measured: 200 tensors of 100 elements, 0.1 against 2.7 ms; 8 of 500k,
+# 9 against 95 ms).
+_LOOP_FROM = 1 << 14
 
-    Args:
-        left, right: flat buffers of the same length.
-        owner: for each element, the index of the tensor it belongs to.
-        count: the number of tensors.
+
+def products(left: torch.Tensor, right: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per tensor (pieces of ``lengths`` elements, one after another): ``left . right``,
+    ``|left|^2`` and ``|right|^2``, as a float64 tensor of shape (3, len(lengths)).
+
+    Products are taken in the buffer's precision and summed in float64, as Horovod sums them.
     """
-    dot, left_sq, right_sq = partial_products(left, right, owner, count)
-    _scaled_add(left, right, owner, *coefficients(dot, left_sq, right_sq))
+    if not lengths:
+        return torch.zeros(3, 0, dtype=torch.float64)
+    if left.numel() >= _LOOP_FROM * len(lengths):
+        sums = [
+            torch.stack(
+                [
+                    (a * b).sum(dtype=torch.float64),
+                    (a * a).sum(dtype=torch.float64),
+                    (b * b).sum(dtype=torch.float64),
+                ]
+            )
+            for a, b in zip(left.split(lengths), right.split(lengths))
+        ]
+        return torch.stack(sums, dim=1)
+    stacked = torch.stack([left * right, left * left, right * right]).double()
+    counts = torch.tensor(lengths, dtype=torch.int64).expand(3, len(lengths))
+    return torch.segment_reduce(stacked, "sum", lengths=counts, axis=1)
 
 
-def partial_products(
-    left: torch.Tensor, right: torch.Tensor, owner: torch.Tensor, count: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per tensor, the parts of ``left . right``, ``|left|^2`` and ``|right|^2`` that these
-    elements hold, accumulated in float64."""
-    wide_left, wide_right = left.double(), right.double()
-    sums = torch.zeros(3, count, dtype=torch.float64)
-    sums[0].index_add_(0, owner, wide_left * wide_right)
-    sums[1].index_add_(0, owner, wide_left * wide_left)
-    sums[2].index_add_(0, owner, wide_right * wide_right)
-    return sums[0], sums[1], sums[2]
-
-
-def _scaled_add(
-    left: torch.Tensor,
-    right: torch.Tensor,
-    owner: torch.Tensor,
-    left_factor: torch.Tensor,
-    right_factor: torch.Tensor,
+def combine_into(
+    out: torch.Tensor,
+    other: torch.Tensor,
+    lengths: list[int],
+    out_factors: list[float],
+    other_factors: list[float],
 ) -> None:
-    # Computed in float64 and rounded once, as Horovod combines each element.
-    combined = left.double().mul_(left_factor[owner]).add_(right.double().mul_(right_factor[owner]))
-    left.copy_(combined)
+    """``out = out_factor * out + other_factor * other``, tensor by tensor (``other`` is
+    scaled in place too); in the buffer's precision."""
+    outs, others = list(out.split(lengths)), list(other.split(lengths))
+    torch._foreach_mul_(outs, out_factors)
+    torch._foreach_mul_(others, other_factors)
+    torch._foreach_add_(outs, others)
 
 
 def allreduce(buffer: torch.Tensor, counts: list[int], comm: Communicator) -> None:
@@ -96,9 +106,9 @@ def allreduce(buffer: torch.Tensor, counts: list[int], comm: Communicator) -> No
         raise ValueError(f"Adasum needs a power-of-two number of ranks, not {size}.")
     if size == 1 or buffer.numel() == 0:
         return
-    owner = torch.repeat_interleave(
-        torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64)
-    )
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
     received = torch.empty_like(buffer)
     lo, hi = 0, buffer.numel()
     parents: list[tuple[int, int]] = []
@@ -114,15 +124,16 @@ def allreduce(buffer: torch.Tensor, counts: list[int], comm: Communicator) -> No
         mine = buffer[keep[0] : keep[1]]
         theirs = received[keep[0] : keep[1]]
         left, right = (mine, theirs) if lower else (theirs, mine)
-        mine_owner = owner[keep[0] : keep[1]]
-        sums = torch.stack(partial_products(left, right, mine_owner, len(counts)))
+        # Every tensor's part of the kept segment (empty for tensors outside it).
+        lengths = [max(0, min(e, keep[1]) - max(b, keep[0])) for b, e in zip(starts, starts[1:])]
+        sums = products(left, right, lengths)
         # The whole of both gradients lies with the 2 * distance ranks of this subtree.
         _sum_within(sums, rank, 2 * distance, comm)
         left_factor, right_factor = coefficients(sums[0], sums[1], sums[2])
         if lower:
-            _scaled_add(mine, theirs, mine_owner, left_factor, right_factor)
+            combine_into(mine, theirs, lengths, left_factor, right_factor)
         else:
-            _scaled_add(mine, theirs, mine_owner, right_factor, left_factor)
+            combine_into(mine, theirs, lengths, right_factor, left_factor)
         parents.append((lo, hi))
         lo, hi = keep
         distance *= 2
@@ -152,12 +163,11 @@ def reference(vectors: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
     and for checking a job's result)."""
     if not is_power_of_two(len(vectors)):
         raise ValueError(f"Adasum needs a power-of-two number of ranks, not {len(vectors)}.")
-    owner = torch.repeat_interleave(
-        torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64)
-    )
     level = [v.clone() for v in vectors]
     while len(level) > 1:
         for left, right in zip(level[0::2], level[1::2]):
-            combine(left, right, owner, len(counts))
+            sums = products(left, right, counts)
+            left_factor, right_factor = coefficients(sums[0], sums[1], sums[2])
+            combine_into(left, right.clone(), counts, left_factor, right_factor)
         level = level[0::2]
     return level[0]
