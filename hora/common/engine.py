@@ -465,11 +465,11 @@ class Engine:
             if not self._running or self._shutdown_reason is not None:
                 raise HoraInternalError(self._failure or shut_down_message(self._shutdown_reason))
             keys = [e.request.key for e in entries]
-            for key in keys:
-                if key in self._in_flight:
-                    raise HoraValueError(DUPLICATE_NAME.format(name=key[1]))
+            for entry in entries:
+                if entry.request.key in self._in_flight:
+                    raise HoraValueError(DUPLICATE_NAME.format(name=entry.request.name))
             if len(keys) > 1 and len(set(keys)) != len(keys):
-                raise HoraValueError(DUPLICATE_NAME.format(name=keys[0][1]))
+                raise HoraValueError(DUPLICATE_NAME.format(name=entries[0].request.name))
             for entry in entries:
                 self._in_flight[entry.request.key] = entry
             timeline = self.timeline
