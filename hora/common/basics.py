@@ -19,6 +19,7 @@ from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
 from hora.common.process_sets import ProcessSet
 from hora.common.rendezvous import StoreClient
+from hora.common.store_keys import GenerationKeys
 from hora.common.timeline import Timeline, merge, rank_path
 from hora.common.topology import Topology, detect
 from hora.common.transport import Communicator
@@ -258,7 +259,7 @@ def _finish_timeline(engine: Engine, store: StoreClient | None) -> None:
     path, _state.timeline_path = _state.timeline_path, None
     if path is None or engine.failure is not None:
         return
-    key = f"g{_state.engine_generation}/timeline-closed/"
+    key = GenerationKeys(_state.engine_generation).timeline_closed()
     try:
         if engine.size > 1 and store is not None:
             if engine.rank != 0:

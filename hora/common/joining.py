@@ -38,6 +38,7 @@ from typing import Any
 from hora.common.config import flag, lookup
 from hora.common.launchers import StorePlan
 from hora.common.rendezvous import StoreClient, new_secret, sign, start_store_server, verify
+from hora.common.store_keys import GenerationKeys
 from hora.common.topology import Topology, TopologyError
 
 logger = logging.getLogger("hora")
@@ -270,8 +271,9 @@ def _exchange(store: StoreClient, topology: Topology, generation: int) -> Topolo
     if launch is None:
         return topology
     mine = {"host": topology.hostname, "local_rank": launch.local_rank}
-    store.set_signed(f"g{generation}/topology/{topology.rank}", json.dumps(mine).encode())
-    names = [f"g{generation}/topology/{r}" for r in range(topology.size)]
+    generation_keys = GenerationKeys(generation)
+    store.set_signed(generation_keys.topology(topology.rank), json.dumps(mine).encode())
+    names = [generation_keys.topology(r) for r in range(topology.size)]
     keys = [store.key(name) for name in names]
     try:
         store.store.wait(keys, timedelta(seconds=store.timeout_s))
@@ -402,7 +404,7 @@ def _exchange_over_mpi(
 def detach(store: StoreClient, rank: int, generation: int) -> None:
     """Tell the process that hosts the store that this rank no longer needs it."""
     try:
-        store.store.set(store.key(f"detached/{generation}/{rank}"), b"1")
+        store.store.set(store.key(GenerationKeys(generation).detached(rank)), b"1")
     except Exception:  # noqa: BLE001 - best effort while leaving
         pass
 
@@ -424,7 +426,7 @@ def _wait_for_detach() -> None:
         return
     generation = _linger.get("generation", 0)
     others = [r for r in range(_linger["size"]) if r != _linger["rank"]]
-    keys = [store.key(f"detached/{generation}/{r}") for r in others]
+    keys = [store.key(GenerationKeys(generation).detached(r)) for r in others]
     try:
         store.store.wait(keys, timedelta(seconds=LINGER_S))
     except Exception:  # noqa: BLE001 - a rank that died never detaches; stop waiting

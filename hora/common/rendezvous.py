@@ -25,22 +25,9 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from hora.common.store_keys import FAILURE, PARKED
+
 TAG_BYTES = 32
-
-# Set (first writer wins) when any worker or the launcher sees the job fail.
-FAILURE_KEY = "failure"
-
-
-# Set (first writer wins, signed "rank N: why") by a worker that ends the job on purpose.
-CAUSE_KEY = "cause"
-
-# Names the doorbell key parked ranks wait on (written by global rank 0 when it parks).
-PARKED_KEY = "parked"
-
-
-def exit_key(rank: int) -> str:
-    """Store key where the launcher records how a rank's process ended."""
-    return f"exit/{rank}"
 
 
 class AuthenticationError(RuntimeError):
@@ -252,17 +239,17 @@ class StoreClient:
 
 def read_failure(store: StoreClient) -> str:
     """The job's first failure report (see :func:`report_failure`), or ``""``."""
-    if not store.check(FAILURE_KEY):
+    if not store.check(FAILURE):
         return ""
-    return bytes(store.store.get(store.key(FAILURE_KEY))).decode(errors="replace")
+    return bytes(store.store.get(store.key(FAILURE))).decode(errors="replace")
 
 
 def report_failure(store: StoreClient, text: str) -> None:
     """Mark the job failed (first report wins) and wake ranks parked on their doorbell."""
     try:
-        store.store.compare_set(store.key(FAILURE_KEY), "", text.encode())
+        store.store.compare_set(store.key(FAILURE), "", text.encode())
     except RuntimeError:
         pass
-    if store.check(PARKED_KEY):
-        wake_key = store.get_signed(PARKED_KEY).decode(errors="replace")
+    if store.check(PARKED):
+        wake_key = store.get_signed(PARKED).decode(errors="replace")
         store.set_signed(wake_key, b"")

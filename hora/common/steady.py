@@ -71,6 +71,15 @@ def eligible(response: Response) -> bool:
     return template.dtype in _FLOATING and template.reduce_op in (ReduceOp.SUM, ReduceOp.AVERAGE)
 
 
+@dataclass(frozen=True, eq=False)
+class BatchLayout:
+    """Which names a schedule reduces together: for each name, its batch's number; and how
+    many batches a period has. A new schedule comes with a new layout (compare identities)."""
+
+    batch_of: dict[str, int]
+    batches: int
+
+
 @dataclass
 class Schedule:
     """The batches of one period, in order, and where this rank is in it."""
@@ -81,7 +90,7 @@ class Schedule:
     # The responses the schedule was cut from (to cut them again another way).
     period: list[Response] = field(default_factory=list)
     # Per batch: its buffer and the engine's views of it (the data, the ranks' codes, each
-    # tensor's piece), reused every period; see hora.common.engine._BatchBuffer.
+    # tensor's piece), reused every period; see hora.common.engine.replay._BatchBuffer.
     batch_buffers: list[Any] = field(default_factory=list)
     # Per name: its piece of its batch's current buffer (a view shaped as the tensor).
     pieces: dict[str, Any] = field(default_factory=dict)
@@ -99,12 +108,17 @@ class Schedule:
     # guards it), and per batch a second buffer to turn to while a lent one is still used.
     lent: set[int] = field(default_factory=set)
     spares: dict[int, Any] = field(default_factory=dict)
+    # Which names each batch holds, for callers that want to submit a batch at once.
+    layout: BatchLayout = field(init=False)
 
     def __post_init__(self) -> None:
         for number, batch in enumerate(self.batches):
             for request in batch:
                 self.index[request.name] = (number, request)
             self.sizes.append([request.num_elements for request in batch])
+        self.layout = BatchLayout(
+            {name: number for name, (number, _) in self.index.items()}, len(self.batches)
+        )
 
     @property
     def current(self) -> list[Request]:

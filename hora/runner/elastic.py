@@ -64,7 +64,8 @@ from hora.common.elastic import (
     reset_requested,
     round_prefix,
 )
-from hora.common.rendezvous import StoreClient, exit_key, report_failure
+from hora.common.rendezvous import StoreClient, report_failure
+from hora.common.store_keys import exit_key
 from hora.runner import options
 from hora.runner.hosts import Host, HostError, Slot, is_local, parse_hostfile, parse_hosts
 from hora.runner.launch import ssh_settings, worker_env

@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from hora.common.rendezvous import (
-    CAUSE_KEY,
     StoreClient,
-    exit_key,
     new_secret,
     report_failure,
     start_store_server,
 )
+from hora.common.store_keys import CAUSE, exit_key
 
 
 class RendezvousServer:
@@ -58,12 +57,12 @@ class RendezvousServer:
 
     def cause_rank(self) -> int | None:
         """The rank that reported ending the job on purpose (e.g. an uncaught exception)."""
-        if self.client is None or not self.client.check(CAUSE_KEY):
+        if self.client is None or not self.client.check(CAUSE):
             return None
         # The engine writes this key with compare_set (first writer wins), signed with the
         # key's name like set_signed values.
         try:
-            text = self.client.get_signed(CAUSE_KEY).decode()
+            text = self.client.get_signed(CAUSE).decode()
         except Exception:  # noqa: BLE001 - an unsigned value is ignored
             return None
         words = text.split()

@@ -7,11 +7,10 @@ thin wrappers around it. This module knows tensors and autograd; the engine does
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,10 +31,30 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 _handles: dict[int, tuple[Handle, Any]] = {}
-# DistributedOptimizers holding gradients back in the current backward pass (see
-# DistributedOptimizer._batches_now). A thread about to wait for a result makes the ones it
-# holds submit them first: the result might be in a batch that also waits for them.
-holding: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class GradientHolder(Protocol):
+    """Something that holds tensors back before submitting them (``DistributedOptimizer``
+    holds a steady-state batch's small gradients until the batch is complete)."""
+
+    def release_held(self) -> None:
+        """Submit what this thread holds: it is about to wait for a result, which might be
+        in a batch that also waits for what it holds."""
+
+
+# Holders holding something now (see hold()). Weak: a holder that is gone holds nothing.
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def hold(holder: GradientHolder) -> None:
+    """Register ``holder`` while it holds tensors back: any wait for a result (``synchronize``)
+    first asks every registered holder to release what it holds."""
+    _holders.add(holder)
+
+
+def stop_holding(holder: GradientHolder) -> None:
+    _holders.discard(holder)
+
 
 _REDUCE_OP_NAMES = {op: op.label for op in ReduceOp}
 _PREFIXES = {kind: kind.name.lower() for kind in RequestType}
@@ -195,7 +214,7 @@ def _submit(
     """Build one entry per tensor and hand them to the engine atomically."""
     set_id = _check_process_set(process_set, kind)
     engine = basics.engine()
-    handle = Handle(len(tensors), kind, grouped)
+    handle = engine.handle(len(tensors), kind, grouped)
     base = _full_name(prefix, name, handle)
     count = len(tensors)
     if grouped and len({t.device for t in tensors}) > 1:
@@ -302,7 +321,7 @@ class RepeatedAllreduce:
             self._request, self._engine, self._dtype = request, engine, tensor.dtype
         if tensor.is_cuda:
             _engine_stream_waits_for_caller(tensor.device)
-        handle = Handle(1, kind)
+        handle = engine.handle(1, kind)
         engine.enqueue([Entry(request, tensor, tensor, handle, lend=self._lend)])
         return _register(handle)
 
@@ -1082,12 +1101,9 @@ def poll(handle: int) -> bool:
     entry = _handles.get(handle)
     if entry is None:
         raise ValueError(f"Handle {handle} was not created or has been cleared.")
-    if entry[0].done():
-        return True
-    # A steady-state batch done on the wire is only landed once someone asks for it.
-    with contextlib.suppress(ValueError):  # no engine: the handle fails on its own
-        basics.engine().note_polled()
-    return False
+    # A steady-state batch done on the wire is only landed once someone asks for it: the
+    # handle tells its engine.
+    return entry[0].poll()
 
 
 def synchronize(handle: int) -> Any:
@@ -1103,9 +1119,9 @@ def synchronize(handle: int) -> Any:
     if entry is None:
         return None
     op_handle, post = entry
-    if holding and not op_handle.done():
-        for optimizer in list(holding):
-            optimizer._release_held()
+    if _holders and not op_handle.done():
+        for holder in list(_holders):
+            holder.release_held()
     try:
         results = op_handle.wait()
     except HoraInternalError:
@@ -1130,7 +1146,7 @@ def join(device: int = -1) -> int:
     """
     del device
     engine = basics.engine()
-    handle = Handle(1, RequestType.JOIN)
+    handle = engine.handle(1, RequestType.JOIN)
     engine.enqueue(
         [
             Entry(
@@ -1148,7 +1164,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has called ``barrier``."""
     set_id = _check_process_set(process_set, RequestType.BARRIER)
     engine = basics.engine()
-    handle = Handle(1, RequestType.BARRIER)
+    handle = engine.handle(1, RequestType.BARRIER)
     engine.enqueue(
         [
             Entry(

@@ -199,32 +199,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         on other threads and streams. Gradients of ``groups`` and of other process sets than
         the global one are never in a schedule's batches.
         """
-        schedule = basics.engine().schedule
-        if schedule is None or self._process_set is not ops.global_process_set:
+        layout = basics.engine().batch_layout
+        if layout is None or self._process_set is not ops.global_process_set:
             return []
-        if self._layout_of is None or self._layout_of() is not schedule:
+        if self._layout_of is None or self._layout_of() is not layout:
             # A new schedule (the first, or rebuilt by autotune, or after a deviation): a weak
-            # reference, so that an old schedule's buffers are not kept alive from here.
-            self._layout_of = weakref.ref(schedule)
+            # reference, so that an old schedule's layout is not kept alive from here.
+            self._layout_of = weakref.ref(layout)
             batch_of: dict[torch.Tensor, int] = {}
-            sizes = [0] * len(schedule.batches)
+            sizes = [0] * layout.batches
             # Only where every parameter is on the CPU: autograd then runs every hook on the
             # thread that called backward() (a GPU's hooks run on a thread of their own).
             if all(p.device.type == "cpu" for p in self._reducers):
                 for p, reducer in self._reducers.items():
-                    found = schedule.index.get(reducer.name)
-                    if found is not None and p.numel() < _HOLD_BELOW:
-                        batch_of[p] = found[0]
-                        sizes[found[0]] += 1
+                    number = layout.batch_of.get(reducer.name)
+                    if number is not None and p.numel() < _HOLD_BELOW:
+                        batch_of[p] = number
+                        sizes[number] += 1
             self._batch_of, self._batch_sizes = batch_of, sizes
         if not self._batch_of:
             return []
         self._left = list(self._batch_sizes)
         self._holder = threading.get_ident()
-        ops.holding.add(self)
+        ops.hold(self)
         return [[] for _ in self._batch_sizes]
 
-    def _release_held(self) -> None:
+    def release_held(self) -> None:
         """Submit every gradient held so far in this pass: this thread is about to wait for a
         result, which might be in a batch that also needs them (another thread's wait does not
         stop this thread's backward pass from completing its batches)."""
@@ -323,7 +323,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # below, after the batch's others).
             self._submit_all_held()
             self._held = None
-            ops.holding.discard(self)
+            ops.stop_holding(self)
         first, last = self._backward_span
         if first:
             timeline = basics.current_timeline()
@@ -498,7 +498,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
         self._held = None
-        ops.holding.discard(self)
+        ops.stop_holding(self)
         self._group_ready.clear()
         self._synchronized = False
         for p in self._delay:

@@ -41,7 +41,7 @@ def _train(steps: int) -> dict[str, Any]:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     engine = basics.engine()
-    tuner = engine._autotuner
+    tuner = engine.autotuner
     result = {
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
         "chosen": None if tuner is None else tuner.current,

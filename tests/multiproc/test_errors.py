@@ -156,7 +156,9 @@ def test_duplicate_name_in_flight_raises_value_error_at_once(job: Any) -> None:
     _, ranks = job
     for observed in ranks:
         for error in observed["duplicates"]:
-            assert_raised(error, ValueError, "same name", "currently being processed", "'allreduce.dup.")
+            assert_raised(
+                error, ValueError, "same name", "currently being processed", "'allreduce.dup."
+            )
 
 
 @pytest.mark.timeout(120)

@@ -212,7 +212,7 @@ def _lending_worker() -> dict[str, Any]:
         )
         # Buffers allocated in each of the last 4 steps, when the steady state has settled.
         out[case + "_buffers"] = [b - a for a, b in zip(buffers[-5:], buffers[-4:])]
-        out[case + "_batches"] = len(engine._schedule.batches) if engine._schedule else 0
+        out[case + "_batches"] = len(engine.schedule.batches) if engine.schedule else 0
 
     train("set_to_none", True)
     train("zeroed_in_place", False)

@@ -1,0 +1,571 @@
+"""The engine: one background thread per process that negotiates, fuses and runs collectives.
+
+User threads hand entries to the :class:`~hora.common.engine.intake.Intake` and wait on their
+handles. The engine thread runs cycles; one cycle is::
+
+    exchange     every rank contributes its new requests (or response-cache bits)
+    negotiate    every rank derives the same ordered list of agreed responses
+    execute      fused batches run on the transport, in that order (executors.py)
+
+When nothing has happened for a few cycles on any rank, every rank parks at the same cycle and
+stops using CPU; the first rank that gets new work rings a doorbell in the store and all resume.
+Once the agreed allreduces repeat, the steady state's :class:`~hora.common.engine.replay.Replay`
+runs them without negotiation. A peer that dies turns into :class:`HoraInternalError` on every
+survivor, naming the lost rank (failures.py). The engine sees requests and flat buffers, never
+modules or optimizers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from hora.common import fusion, steady
+from hora.common.autotune import Autotuner
+from hora.common.config import Settings
+from hora.common.engine.buffers import writing_to_inference
+from hora.common.engine.executors import Run, executor_for
+from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
+from hora.common.engine.finisher import Finisher
+from hora.common.engine.handles import Entry, Handle, fail, finish
+from hora.common.engine.intake import Intake
+from hora.common.engine.replay import Replay
+from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S, WATCH_INTERVAL_S
+from hora.common.engine.tracing import Tracer
+from hora.common.errors import HoraInternalError, shut_down_message
+from hora.common.message import CycleMessage, Request, RequestType, Response
+from hora.common.negotiation import MessageTable, ResponseCache
+from hora.common.process_sets import ProcessSetTable
+from hora.common.rendezvous import StoreClient, sign
+from hora.common.stall import StallInspector
+from hora.common.store_keys import CAUSE, PARKED, GenerationKeys
+from hora.common.timeline import Timeline
+from hora.common.topology import Topology
+from hora.common.transport import Communicator, TransportError
+
+logger = logging.getLogger("hora")
+
+
+class Engine:
+    """The background runtime of one process.
+
+    The framework layer uses this API and nothing else: :meth:`handle` and :meth:`enqueue`
+    submit a call (the handle tells the engine when a thread waits for or polls it);
+    :meth:`register_process_set` changes the sets; :attr:`batch_layout` says which names the
+    steady state reduces together (a hint: the engine handles whatever arrives); results lent
+    from the steady state's buffers follow the rule of
+    :func:`hora.common.engine.buffers.owns_its_memory`.
+
+    Args:
+        topology: this process's place in the job.
+        settings: engine settings.
+        store: a connection to the job's store (an in-process one for a job of one).
+        communicator_factory: builds a communicator for ``(scope, rank_in_set, set_size)``.
+        generation: how many times ``init`` ran before in this process (keeps scopes distinct).
+        process_sets: member lists of the sets registered at ``init`` (ids 1, 2, ...).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        settings: Settings,
+        store: StoreClient,
+        communicator_factory: Callable[[str, int, int], Communicator],
+        generation: int = 0,
+        process_sets: list[tuple[int, ...]] | None = None,
+    ) -> None:
+        self.topology = topology
+        self.settings = settings
+        self.rank = topology.rank
+        self.size = topology.size
+        self._store = store
+        self._keys = GenerationKeys(generation)
+        self._make_communicator = communicator_factory
+        self.process_sets = ProcessSetTable(topology.size)
+        self._communicators: dict[int, Communicator] = {}
+        self._cache = ResponseCache(settings.cache_capacity)
+        self._table = MessageTable(self.process_sets)
+        self._stall = StallInspector(
+            settings.stall_check_time_s,
+            settings.stall_shutdown_time_s,
+            settings.stall_check_enabled and topology.rank == 0,
+        )
+        self.intake = Intake()
+        self.tracer = Tracer()
+        self._thread: threading.Thread | None = None
+        self._watcher: Watcher | None = None
+        self._finisher = Finisher(self.rank, lambda: self.intake.failure, self._transport_failed)
+        self._fail_lock = threading.Lock()
+        self._parked_round = 0
+        self._woken_round = 0
+        self._idle_cycles = 0
+        self._park_after = max(
+            2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(settings.cycle_time_ms, 0.1))
+        )
+        self._last_cycle_end = 0.0
+        self._deadlocks = DeadlockCheck(
+            store, self._keys, self.rank, self.size, self._stall, settings.gloo_timeout_s
+        )
+        self._control = self._connect("control", 0, self.rank, self.size)
+        self._communicators[0] = self._connect("ps0", 0, self.rank, self.size)
+        self.replay = Replay(
+            self.intake,
+            settings,
+            self.rank,
+            self.size,
+            self._communicators[0],
+            self._control,
+            store,
+            self._keys,
+            self.tracer,
+            self._failure_seen,
+        )
+        for ranks in process_sets or []:
+            set_id = self.process_sets.reserve_id()
+            self._register_process_set(set_id, ranks)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _connect(self, scope: str, set_id: int, rank: int, size: int) -> Communicator:
+        try:
+            return self._make_communicator(self._keys.scope(scope), rank, size)
+        except TransportError as exc:
+            raise HoraInternalError(
+                f"rank {self.rank}: could not connect to the other ranks of process set {set_id} "
+                f"({exc}). Check that every rank called hvd.init() and that the hosts can reach "
+                "each other (HORA_GLOO_IFACE selects the network interface)."
+            ) from exc
+
+    def start(self) -> None:
+        self.intake.running = True
+        if self.size > 1:
+            self._watcher = Watcher(
+                self._store.reconnect(),
+                self._store,
+                self._keys,
+                lambda: self.intake.running,
+                self._wake,
+                self._abort_on_failure,
+            )
+            self._watcher.start()
+        self._finisher.start()
+        self._thread = threading.Thread(target=self._loop, name="hora-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, reason: str | None = None) -> None:
+        """Stop this rank's engine and, through negotiation, every other rank's."""
+        intake = self.intake
+        with intake.wakeup:
+            if intake.shutdown_reason is None:
+                intake.shutdown_reason = reason or f"rank {self.rank} called hvd.shutdown()"
+            intake.wakeup.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.settings.gloo_timeout_s + 10)
+        if self._finisher.ident is not None and self._finisher is not threading.current_thread():
+            self._finisher.join(timeout=self.settings.gloo_timeout_s + 10)
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher.join(timeout=10.0)
+        finished = (self._thread is None or not self._thread.is_alive()) and not (
+            self._finisher.is_alive()
+        )
+        for comm in self._all_communicators():
+            # Tear groups down here rather than leave it to interpreter exit.
+            if intake.failure is not None or not finished:
+                comm.abort()
+            if finished:
+                comm.close()
+
+    def report_cause(self, text: str) -> None:
+        """Record in the store that this rank is ending the job (first report wins).
+
+        The launcher reads it to name the rank that caused a failure, which is not always the
+        rank whose process ended first.
+        """
+        if self.size == 1:
+            return
+        try:
+            self._store.store.compare_set(
+                self._store.key(CAUSE), "", sign(self._store.secret, text.encode(), key=CAUSE)
+            )
+        except Exception:  # noqa: BLE001 - best effort while exiting
+            pass
+
+    @property
+    def failure(self) -> str | None:
+        return self.intake.failure
+
+    @property
+    def running(self) -> bool:
+        return self.intake.running
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline being written, if any (set by ``hora.common.basics``)."""
+        return self.tracer.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self.tracer.timeline = timeline
+
+    @property
+    def schedule(self) -> steady.Schedule | None:
+        """The steady-state schedule being replayed, if any (for tests and tools)."""
+        return self.replay.schedule
+
+    @property
+    def batch_layout(self) -> steady.BatchLayout | None:
+        """Which names the steady state reduces together, batch by batch; ``None`` while
+        negotiating.
+
+        Read without the engine's lock: a caller may use it only as a hint (``
+        DistributedOptimizer`` submits a batch's gradients at once); the engine handles whatever
+        is submitted, whenever, against its current schedule. A new schedule comes with a new
+        layout object.
+        """
+        schedule = self.replay.schedule
+        return schedule.layout if schedule is not None else None
+
+    @property
+    def steady_stats(self) -> dict[str, int]:
+        """How often the steady state was entered and left, and what it ran (see Replay)."""
+        return self.replay.stats
+
+    @property
+    def autotuner(self) -> Autotuner | None:
+        return self.replay.autotuner
+
+    # ----------------------------------------------------------------- user threads
+
+    def handle(self, count: int, kind: RequestType, grouped: bool = False) -> Handle:
+        """A handle for a call of ``count`` tensors, whose waits this engine observes."""
+        return Handle(count, kind, grouped, self.intake)
+
+    def enqueue(self, entries: list[Entry]) -> None:
+        """Queue entries atomically (a grouped call's entries reach negotiation together).
+
+        Raises:
+            HoraValueError: a name is already in flight on this rank in its process set.
+            HoraInternalError: the engine has stopped.
+        """
+        self.intake.submit(entries, self.tracer.now(), self.replay.admit)
+
+    def register_process_set(self, ranks: tuple[int, ...], remove: bool = False) -> Handle:
+        """Negotiate adding (or removing) a process set; the handle's result is its id."""
+        if remove:
+            set_id = self.process_sets.find(ranks)
+            if set_id is None:
+                raise ValueError(f"no registered process set has ranks {list(ranks)}")
+            name = f"process_set.{set_id}.remove"
+            kind = RequestType.REMOVE_PROCESS_SET
+        else:
+            set_id = self.process_sets.reserve_id()
+            name = f"process_set.{set_id}.add"
+            kind = RequestType.ADD_PROCESS_SET
+        handle = self.handle(1, kind)
+        request = Request(name=name, kind=kind, dtype="uint8", ranks=ranks)
+        self.enqueue([Entry(request, None, None, handle)])
+        return handle
+
+    # ----------------------------------------------------------------- engine thread
+
+    def _loop(self) -> None:
+        try:
+            while self._cycle():
+                pass
+        except TransportError as exc:
+            self.intake.hand_back(self.intake.taken)
+            self._transport_failed(str(exc))
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
+            self.intake.hand_back(self.intake.taken)
+            logger.exception("hora engine on rank %d stopped", self.rank)
+            with self._fail_lock:
+                if self.intake.failure is None:
+                    self._fail(f"rank {self.rank}: the hora engine stopped: {exc!r}")
+        finally:
+            self.intake.running = False
+            self._finisher.stop()
+
+    def _cycle(self) -> bool:
+        # Entries this cycle takes out of the in-flight table; should the cycle raise, their
+        # handles fail with the engine rather than wait forever (see _loop).
+        self.intake.taken = []
+        if self.replay.active:
+            # Results are written into the caller's tensors outside autograd, as in _execute.
+            with torch.no_grad():
+                self.replay.cycle()
+            if not self.replay.active:
+                self._last_cycle_end = 0.0  # back to negotiation: at once
+            return True
+        self._wait_for_turn()
+        if self.tracer.timeline is not None and self.tracer.timeline.mark_cycles:
+            self.tracer.mark("CYCLE_START")
+        contributions = self._exchange(self.intake.drain())
+        shutdown_reason = self._integrate(contributions)
+        responses = self._table.ready(self._cache)
+        self.tracer.agreed_at = self.tracer.now()
+        had_news = any(reqs for reqs, _ in contributions) or bool(responses)
+        self._idle_cycles = 0 if had_news else self._idle_cycles + 1
+        self._execute(responses)
+        self._last_cycle_end = time.monotonic()
+        if shutdown_reason is not None:
+            # Collectives started before the shutdown was agreed still deliver their results.
+            self._finisher.drain()
+            self.intake.end(shut_down_message(shutdown_reason))
+            return False
+        self._check_stall()
+        self.replay.maybe_enter(self._table)
+        return True
+
+    def _check_stall(self) -> None:
+        if self._stall.due() and self._table:
+            reason = self._stall.check(self._table)
+            if reason is not None:
+                with self.intake.wakeup:
+                    self.intake.shutdown_reason = self.intake.shutdown_reason or reason
+
+    def _wait_for_turn(self) -> None:
+        """Start the next cycle when local work arrives or a cycle time has passed.
+
+        Starting at once on local work keeps a lone synchronous op's latency near the
+        transport's; requests that arrive while a cycle runs are batched into the next one.
+        """
+        if self.size > 1 and self._idle_cycles >= self._park_after:
+            self._park()
+            return
+        if self.size == 1:
+            if self.tracer.timeline is not None and not self.intake.queue:
+                self.tracer.timeline.flush()  # a job of one waits for work without parking
+            self.intake.wait_for_work(None)
+            return
+        # Counted from the end of the last cycle: after a long cycle, the user thread gets a
+        # cycle time to submit its next request before an idle exchange goes out without it.
+        self.intake.wait_for_work(self._last_cycle_end + self.settings.cycle_time_ms / 1000)
+
+    def _park(self) -> None:
+        """Sleep until this rank has work, another rank rings, or a check is due."""
+        round_ = self._parked_round = self._parked_round + 1
+        wake_key = self._keys.wake(round_)
+        if self.tracer.timeline is not None:
+            # Idle: what happened so far reaches the file now, for anyone reading it meanwhile.
+            self.tracer.timeline.flush()
+        if self.rank == 0:
+            if round_ > 1:
+                self._store.delete(self._keys.wake(round_ - 1))
+            # Whoever reports a failure rings the doorbell named here, to wake parked ranks.
+            self._store.set_signed(PARKED, wake_key.encode())
+        assert self._watcher is not None
+        self._watcher.watch(round_)
+        ring = False
+        intake = self.intake
+        with intake.wakeup:
+            while True:
+                if self._failure_seen():
+                    break
+                if intake.queue or intake.shutdown_reason is not None:
+                    ring = True
+                    break
+                if self._woken_round >= round_:
+                    break
+                intake.wakeup.wait(timeout=WATCH_INTERVAL_S)
+                if self._stall.due() and self._table:
+                    reason = self._stall.check(self._table)
+                    if reason is not None:
+                        intake.shutdown_reason = intake.shutdown_reason or reason
+                # Every rank parks when nobody has anything new: that is where a deadlock
+                # shows. The store calls run without the lock, which user threads need.
+                intake.wakeup.release()
+                try:
+                    awaited = intake.awaited(WAIT_RECORD_AFTER_S)
+                    self._deadlocks.record(awaited)
+                    reason = self._deadlocks.check(self._table, awaited)
+                finally:
+                    intake.wakeup.acquire()
+                if reason is not None:
+                    intake.shutdown_reason = intake.shutdown_reason or reason
+        if ring:
+            self._store.set_signed(wake_key, b"")
+        self._idle_cycles = 0
+        # Whoever rang has work: go at once.
+        self._last_cycle_end = 0.0
+
+    def _failure_seen(self) -> bool:
+        return self._watcher is not None and self._watcher.failure is not None
+
+    def _wake(self, round_: int) -> None:
+        with self.intake.wakeup:
+            self._woken_round = max(self._woken_round, round_)
+            self.intake.wakeup.notify_all()
+
+    # ----------------------------------------------------------------- negotiation
+
+    def _exchange(self, new: list[Entry]) -> list[tuple[tuple[Request, ...], str | None]]:
+        """Every rank's new requests this cycle, in rank order."""
+        bits: list[int] = []
+        full: list[Request] = []
+        for entry in new:
+            bit = self._cache.bit_for(entry.request, self.rank)
+            if bit is None:
+                full.append(entry.request)
+            else:
+                bits.append(bit)
+        message = CycleMessage(tuple(full), tuple(bits), self.intake.shutdown_reason)
+        if self.size == 1:
+            return [(tuple(entry.request for entry in new), message.shutdown)]
+        payload = message.encode_payload()
+        bitmap = 0
+        for bit in bits:
+            bitmap |= 1 << bit
+        nbytes = (max(self._cache.capacity, 1) + 7) // 8
+        header = struct.pack("<q", len(payload)) + bitmap.to_bytes(nbytes, "little")
+        headers = self._allgather_bytes(header)
+        lengths = [struct.unpack("<q", h[:8])[0] for h in headers]
+        payloads: list[bytes] = [b""] * self.size
+        longest = max(lengths)
+        if longest > 0:
+            padded = self._allgather_bytes(payload + bytes(longest - len(payload)))
+            payloads = [p[:n] for p, n in zip(padded, lengths)]
+        contributions: list[tuple[tuple[Request, ...], str | None]] = []
+        for rank in range(self.size):
+            received = int.from_bytes(headers[rank][8:], "little")
+            expanded: list[Request] = []
+            while received:
+                low = received & -received
+                expanded.append(self._cache.expand(low.bit_length() - 1, rank))
+                received ^= low
+            try:
+                requests, shutdown = CycleMessage.decode_payload(payloads[rank])
+            except ValueError as exc:
+                raise HoraInternalError(f"rank {rank} sent a malformed message: {exc}") from exc
+            contributions.append((tuple(expanded) + requests, shutdown))
+        return contributions
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outputs = [torch.empty_like(buffer) for _ in range(self.size)]
+        self._control.allgather(outputs, buffer)
+        return [o.numpy().tobytes() for o in outputs]
+
+    def _integrate(self, contributions: list[tuple[tuple[Request, ...], str | None]]) -> str | None:
+        reason: str | None = None
+        for rank, (requests, shutdown) in enumerate(contributions):
+            for request in requests:
+                self._table.add(rank, request)
+            if shutdown is not None and reason is None:
+                reason = shutdown
+        return reason
+
+    # ----------------------------------------------------------------- execution
+
+    def _execute(self, responses: list[Response]) -> None:
+        """Run the agreed responses as fused batches, in order, each by its executor."""
+        self.replay.record(responses)
+        plan = fusion.plan(
+            responses, self.settings.fusion_threshold_bytes, self.settings.disable_group_fusion
+        )
+        # Results are written into the caller's tensors (parameters among them) outside autograd.
+        with torch.no_grad():
+            for batch in plan:
+                self._execute_batch(batch)
+
+    def _execute_batch(self, batch: list[Response]) -> None:
+        head = batch[0]
+        number = self.tracer.next_batch()
+        tracer = self.tracer
+        if head.kind in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET):
+            if tracer.timeline is not None:
+                tracer.negotiated(batch, self.intake.get(head.keys))
+            self._change_process_set(head)
+            return
+        entries = self.intake.take([key for response in batch for key in response.keys])
+        start = tracer.negotiated(batch, entries) if tracer.timeline is not None else 0
+        if head.error is not None:
+            fail([e for e in entries if e is not None], head.error)
+            return
+        members = self.process_sets.members(head.process_set_id)
+        if self.rank not in members:
+            return
+        executor = executor_for(head)
+        run = Run(
+            batch,
+            entries,
+            self._communicators.get(head.process_set_id, self._control),
+            members,
+            self.rank,
+            number,
+            tracer,
+            self._finisher,
+        )
+        if head.kind == RequestType.ALLREDUCE:
+            # A destination made in inference mode is written in inference mode.
+            with writing_to_inference(entries):
+                executor.execute(run)
+        else:
+            executor.execute(run)
+        if not executor.traces_itself and tracer.timeline is not None:
+            end = tracer.now()
+            tracer.collective(
+                entries, head.kind.name, number, (start, start, end, end), head.num_bytes
+            )
+
+    def _change_process_set(self, response: Response) -> None:
+        template = response.template()
+        set_id = int(template.name.split(".")[1])
+        ranks = template.ranks or ()
+        if response.kind == RequestType.ADD_PROCESS_SET:
+            self._register_process_set(set_id, ranks)
+        else:
+            self._finisher.drain()
+            self.process_sets.remove(set_id)
+            removed = self._communicators.pop(set_id, None)
+            if removed is not None:
+                removed.close()
+        (entry,) = self.intake.take([template.key])
+        if entry is not None:
+            finish(entry, set_id)
+
+    def _register_process_set(self, set_id: int, ranks: tuple[int, ...]) -> None:
+        self.process_sets.add(set_id, ranks)
+        if self.rank in ranks:
+            self._communicators[set_id] = self._connect(
+                f"ps{set_id}", set_id, ranks.index(self.rank), len(ranks)
+            )
+
+    # ----------------------------------------------------------------- endings
+
+    def _all_communicators(self) -> list[Communicator]:
+        return [self._control, *self._communicators.values()]
+
+    def _abort_on_failure(self) -> None:
+        """The watcher saw the job fail: unblock every collective, wake a parked engine."""
+        for comm in self._all_communicators():
+            comm.abort()
+        self._wake(self._parked_round)
+
+    def _transport_failed(self, error: str) -> str:
+        """A collective failed on this rank's engine or finisher thread: diagnose it once;
+        returns the message every pending call fails with."""
+        with self._fail_lock:
+            if self.intake.failure is None:
+                for comm in self._all_communicators():
+                    comm.abort()
+                self._fail(
+                    diagnose(
+                        self._store, self._keys, self.rank, self.size, error, self._failure_seen()
+                    )
+                )
+            return self.intake.failure or error
+
+    def _fail(self, message: str) -> None:
+        self.intake.failure = message
+        for comm in self._all_communicators():
+            comm.abort()
+        if self.rank == 0 or message:
+            logger.error("%s", message)
+        self.intake.end(message)

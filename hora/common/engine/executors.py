@@ -1,0 +1,371 @@
+"""The collectives: one executor per kind of operation, behind one signature.
+
+As Horovod's operation manager does, the engine asks each executor in :data:`EXECUTORS`, in
+order, whether it runs a batch (``enabled``), and lets the first that does ``execute`` it. A
+batch is one or more agreed responses fused into one operation (see
+:mod:`hora.common.fusion`). Executors move data through the set's communicator and finish the
+entries' handles; the allreduce hands its completion to the finisher thread so that the engine
+can start the next batch while this one is on the wire.
+
+This module knows entries, responses, buffers and communicators; it holds no engine state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hora.common import adasum
+from hora.common.engine.buffers import (
+    as_bytes,
+    compute_dtype,
+    copy_out_pieces,
+    postscale,
+    scale,
+    torch_dtype,
+    writing_to_inference,
+)
+from hora.common.engine.finisher import Finisher
+from hora.common.engine.handles import Entry, finish
+from hora.common.engine.tracing import Tracer
+from hora.common.message import ReduceOp, RequestType, Response
+from hora.common.transport import Communicator
+
+
+@dataclass
+class Run:
+    """One batch as it runs on this rank.
+
+    Attributes:
+        batch: the fused responses, in agreed order.
+        entries: this rank's entry for each response (``None``: a joined rank's part, which
+            contributes zeros to an allreduce).
+        comm: the communicator of the batch's process set.
+        members: the set's global ranks, in order.
+        rank: this process's global rank.
+        number: the batch's number (the same collective on every rank).
+        tracer: the timeline, if one is written.
+        finisher: the thread that completes asynchronous collectives.
+    """
+
+    batch: list[Response]
+    entries: list[Entry | None]
+    comm: Communicator
+    members: tuple[int, ...]
+    rank: int
+    number: int
+    tracer: Tracer
+    finisher: Finisher
+
+    @property
+    def head(self) -> Response:
+        return self.batch[0]
+
+    @property
+    def entry(self) -> Entry | None:
+        """The entry of a batch of one response."""
+        return self.entries[0]
+
+
+class Executor(Protocol):
+    """Runs one kind of batch."""
+
+    # Whether it writes its own collective span into the timeline (asynchronous ones do, once
+    # the result is in); the engine writes it for the others.
+    traces_itself: bool
+
+    def enabled(self, response: Response) -> bool:
+        """Whether this executor runs batches headed by ``response``."""
+
+    def execute(self, run: Run) -> None:
+        """Run the batch and finish its entries' handles."""
+
+
+def _inputs(run: Run) -> list[torch.Tensor]:
+    """Each entry's tensor; zeros of the agreed shape for a joined rank's part."""
+    inputs = []
+    for response, entry in zip(run.batch, run.entries):
+        if entry is None or entry.tensor is None:
+            template = response.template()
+            inputs.append(torch.zeros(template.shape, dtype=torch_dtype(template.dtype)))
+        else:
+            inputs.append(entry.tensor)
+    return inputs
+
+
+class Allreduce:
+    """A fused allreduce (Sum, Average, Min, Max, Product), completed on the finisher thread.
+
+    The engine goes on negotiating (and starting) the next batches while this one is on the
+    wire, as gradients of earlier layers arrive during backward.
+    """
+
+    traces_itself = True
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.ALLREDUCE
+
+    def execute(self, run: Run) -> None:
+        tracer = run.tracer
+        started = tracer.now()
+        entries = run.entries
+        head = run.head.template()
+        inputs = _inputs(run)
+        device = inputs[0].device
+        if len(inputs) == 1:
+            flat = inputs[0].reshape(-1)
+            entry = entries[0]
+            if entry is not None and entry.output is not None and entry.output is not inputs[0]:
+                entry.output.copy_(inputs[0])
+                flat = entry.output.reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in inputs])
+        divisor = len(run.members) if head.reduce_op == ReduceOp.AVERAGE else 1
+        op = ReduceOp.SUM if head.reduce_op == ReduceOp.AVERAGE else head.reduce_op
+        work_dtype, work_op = compute_dtype(flat.dtype, op)
+        work = flat
+        if work_dtype != flat.dtype or device.type != "cpu":
+            work = flat.to(device="cpu", dtype=work_dtype)
+        work = scale(work, head.prescale)
+        issued = tracer.now()
+        pending = run.comm.allreduce_async(work, work_op)
+        number = run.number
+
+        def complete() -> None:
+            done = tracer.now()
+            # On the finisher thread: a single tensor is reduced in its own storage, which
+            # may be an inference tensor (as when the allreduce scaled it before the wire).
+            with writing_to_inference(entries):
+                result = postscale(work, divisor, head.postscale)
+                if result is not flat:
+                    flat.copy_(result)
+                copy_out_pieces(entries, flat, [t.numel() for t in inputs])
+            if tracer.timeline is not None:
+                times = (started, issued, done, tracer.now())
+                nbytes = flat.numel() * flat.itemsize
+                tracer.collective(entries, "ALLREDUCE", number, times, nbytes)
+
+        run.finisher.add(pending, complete, [e for e in entries if e is not None])
+
+
+class AdasumAllreduce:
+    """A fused Adasum allreduce (see :mod:`hora.common.adasum`), run on the engine thread.
+
+    Adasum is a sequence of exchanges with partners, not one collective; allreduces still
+    completing on the finisher use the same communicator, so they finish first.
+    """
+
+    traces_itself = True
+
+    def enabled(self, response: Response) -> bool:
+        return (
+            response.kind == RequestType.ALLREDUCE
+            and response.template().reduce_op == ReduceOp.ADASUM
+        )
+
+    def execute(self, run: Run) -> None:
+        run.finisher.drain()
+        tracer = run.tracer
+        started = tracer.now()
+        head = run.head.template()
+        dtype = torch_dtype(head.dtype)
+        inputs = [t.reshape(-1) for t in _inputs(run)]
+        counts = [t.numel() for t in inputs]
+        # Halves are combined in float32 (their products and sums would lose too much).
+        work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        work = torch.cat([t.to(device="cpu", dtype=work_dtype) for t in inputs])
+        work = scale(work, head.prescale)
+        issued = tracer.now()
+        adasum.allreduce(work, counts, run.comm)
+        done = tracer.now()
+        work = scale(work, head.postscale)
+        copy_out_pieces(run.entries, work.to(device=inputs[0].device, dtype=dtype), counts)
+        if tracer.timeline is not None:
+            times = (started, issued, done, tracer.now())
+            tracer.collective(
+                run.entries, "ADASUM", run.number, times, work.numel() * work.itemsize
+            )
+
+
+class Allgather:
+    """Concatenates every member's tensor along dimension 0 (first dimensions may differ)."""
+
+    traces_itself = False
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.ALLGATHER
+
+    def execute(self, run: Run) -> None:
+        entry = run.entry
+        if entry is None or entry.tensor is None:
+            return
+        requests = run.head.requests[0]
+        tensor = entry.tensor
+        rows = [requests[r].shape[0] for r in run.members]
+        rest = tuple(tensor.shape[1:])
+        row_bytes = math.prod(rest) * tensor.element_size()
+        output = torch.empty((sum(rows), *rest), dtype=tensor.dtype)
+        source = as_bytes(tensor.cpu())
+        chunks = list(as_bytes(output).split([n * row_bytes for n in rows]))
+        if len(set(rows)) == 1:
+            run.comm.allgather(chunks, source)
+        else:
+            longest = max(rows) * row_bytes
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: source.numel()] = source
+            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in run.members]
+            run.comm.allgather(gathered, padded)
+            torch._foreach_copy_(chunks, [g[: c.numel()] for g, c in zip(gathered, chunks)])
+        finish(entry, output.to(tensor.device))
+
+
+class Broadcast:
+    """Copies the root member's tensor to every member (``root_rank`` is a global rank)."""
+
+    traces_itself = False
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.BROADCAST
+
+    def execute(self, run: Run) -> None:
+        entry = run.entry
+        if entry is None or entry.tensor is None:
+            return
+        output = entry.output if entry.output is not None else entry.tensor
+        if output is not entry.tensor:
+            output.copy_(entry.tensor)
+        host = output if output.device.type == "cpu" else output.cpu()
+        run.comm.broadcast(as_bytes(host), run.members.index(run.head.template().root_rank))
+        if host is not output:
+            output.copy_(host)
+        finish(entry, output)
+
+
+class Alltoall:
+    """Sends each member its rows (``splits``, or equal parts) and gathers what they send."""
+
+    traces_itself = False
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.ALLTOALL
+
+    def execute(self, run: Run) -> None:
+        entry = run.entry
+        if entry is None or entry.tensor is None:
+            return
+        requests = run.head.requests[0]
+        members = run.members
+        me = members.index(run.rank)
+        tensor = entry.tensor
+
+        def splits_of(rank: int) -> Sequence[int]:
+            req = requests[rank]
+            if req.splits is not None:
+                return req.splits
+            return [req.shape[0] // len(members)] * len(members)
+
+        send = splits_of(run.rank)
+        receive = [splits_of(r)[me] for r in members]
+        rest = tuple(tensor.shape[1:])
+        row_bytes = math.prod(rest) * tensor.element_size()
+        output = torch.empty((sum(receive), *rest), dtype=tensor.dtype)
+        source = as_bytes(tensor.cpu()[: sum(send)])
+        run.comm.alltoall(
+            as_bytes(output),
+            source,
+            [n * row_bytes for n in receive],
+            [n * row_bytes for n in send],
+        )
+        received = torch.tensor(receive, dtype=torch.int32)
+        finish(entry, (output.to(tensor.device), received))
+
+
+class Reducescatter:
+    """Reduces across members, then gives each its rows of dimension 0 (the first
+    ``rows % members`` members get one more)."""
+
+    traces_itself = False
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.REDUCESCATTER
+
+    def execute(self, run: Run) -> None:
+        entry = run.entry
+        if entry is None or entry.tensor is None:
+            return
+        request = run.head.template()
+        tensor = entry.tensor
+        count = len(run.members)
+        first = tensor.shape[0]
+        rows = [first // count + (1 if i < first % count else 0) for i in range(count)]
+        me = run.members.index(run.rank)
+        rest = tuple(tensor.shape[1:])
+        op = ReduceOp.SUM if request.reduce_op == ReduceOp.AVERAGE else request.reduce_op
+        work_dtype, work_op = compute_dtype(tensor.dtype, op)
+        work = tensor.to(device="cpu", dtype=work_dtype)
+        if work is tensor:
+            work = tensor.clone()
+        work = scale(work, request.prescale)
+        row = math.prod(rest)
+        chunks = list(work.reshape(-1).split([n * row for n in rows]))
+        output = torch.empty(rows[me] * row, dtype=work_dtype)
+        run.comm.reducescatter(output, chunks, work_op)
+        divisor = count if request.reduce_op == ReduceOp.AVERAGE else 1
+        output = postscale(output, divisor, request.postscale)
+        result = output.reshape((rows[me], *rest)).to(device=tensor.device, dtype=tensor.dtype)
+        finish(entry, result)
+
+
+class Barrier:
+    """Every member submitted it, so negotiation itself was the barrier: finish the handle."""
+
+    traces_itself = True  # no collective to show
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.BARRIER
+
+    def execute(self, run: Run) -> None:
+        if run.entry is not None:
+            finish(run.entry, None)
+
+
+class Join:
+    """Every rank joined: finish the handle with the rank that joined last."""
+
+    traces_itself = True  # no collective to show
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == RequestType.JOIN
+
+    def execute(self, run: Run) -> None:
+        if run.entry is not None:
+            finish(run.entry, run.head.last_joined_rank)
+
+
+# Asked in this order; the first enabled one runs the batch.
+EXECUTORS: tuple[Executor, ...] = (
+    AdasumAllreduce(),
+    Allreduce(),
+    Allgather(),
+    Broadcast(),
+    Alltoall(),
+    Reducescatter(),
+    Barrier(),
+    Join(),
+)
+
+
+def executor_for(response: Response) -> Executor:
+    """The first executor of :data:`EXECUTORS` that runs batches headed by ``response``.
+
+    Raises:
+        LookupError: no executor runs this kind of response.
+    """
+    for executor in EXECUTORS:
+        if executor.enabled(response):
+            return executor
+    raise LookupError(f"no executor runs {response.kind.name} responses")

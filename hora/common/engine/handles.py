@@ -1,0 +1,172 @@
+"""What a call hands the engine and gets back: :class:`Entry` (one tensor of one call) and
+:class:`Handle` (the pending result of the call).
+
+A handle tells its :class:`WaitObserver` (the engine's intake) when a thread starts and stops
+waiting for it, and when a thread polls it before it is done: the engine uses both to decide
+when to deliver results (see docs/engine.md). This module knows requests and tensors as opaque
+values; it holds no engine state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hora.common.errors import HoraInternalError
+from hora.common.message import Request, RequestType
+
+if TYPE_CHECKING:
+    import torch
+
+    from hora.common.steady import Schedule
+
+# Serialises Handle._open (the finisher may deliver a result while the engine fails the job).
+_OPENING = threading.Lock()
+
+
+class WaitObserver(Protocol):
+    """Told about the threads that wait for handles (the engine's intake implements it)."""
+
+    def waiting(self, handle: Handle, blocked: bool) -> None:
+        """A thread starts (``True``) or stops (``False``) blocking on ``handle``."""
+
+    def polled(self) -> None:
+        """A thread polled a handle that is not done yet."""
+
+
+class Handle:
+    """The pending result of one collective call (several tensors for a grouped call).
+
+    Args:
+        count: the number of tensors (entries) of the call.
+        kind: the operation.
+        grouped: whether it is a grouped call (its result is a list).
+        observer: told when threads wait for or poll this handle (``None``: nobody).
+    """
+
+    __slots__ = (
+        "_done",
+        "_latch",
+        "_remaining",
+        "error",
+        "grouped",
+        "id",
+        "kind",
+        "observer",
+        "results",
+    )
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        count: int,
+        kind: RequestType,
+        grouped: bool = False,
+        observer: WaitObserver | None = None,
+    ) -> None:
+        self.id = next(Handle._ids)
+        self.kind = kind
+        self.grouped = grouped
+        self.observer = observer
+        self.results: list[Any] = [None] * count
+        self.error: str | None = None
+        self._remaining = count
+        # A latch: held until the result is in (a bare lock costs a fraction of an Event,
+        # and every gradient of every step makes a handle).
+        self._done = count == 0
+        self._latch = threading.Lock()
+        if not self._done:
+            self._latch.acquire()
+
+    @classmethod
+    def restart_numbering(cls) -> None:
+        """Number handles from 1 again (at ``init``: unnamed ops are named after the number,
+        and every rank of a new job, or of an elastic job's new round, must count alike)."""
+        cls._ids = itertools.count(1)
+
+    def done(self) -> bool:
+        return self._done
+
+    def poll(self) -> bool:
+        """Whether the result is in; tells the observer when it is not (never blocks)."""
+        if self._done:
+            return True
+        if self.observer is not None:
+            self.observer.polled()
+        return False
+
+    def wait(self) -> list[Any]:
+        """Block until done; return the per-tensor results.
+
+        Raises:
+            HoraInternalError: the operation failed on this rank.
+        """
+        if not self._done:
+            observer = self.observer
+            if observer is not None:
+                observer.waiting(self, True)
+            try:
+                # Any number of waiters pass, one after another.
+                with self._latch:
+                    pass
+            finally:
+                if observer is not None:
+                    observer.waiting(self, False)
+        if self.error is not None:
+            raise HoraInternalError(self.error)
+        return self.results
+
+    def _set(self, index: int, value: Any) -> None:
+        self.results[index] = value
+        self._remaining -= 1
+        if self._remaining == 0 and self.error is None:
+            self._open()
+
+    def _fail(self, message: str) -> None:
+        if not self._done:
+            self.error = message
+            self._open()
+
+    def _open(self) -> None:
+        """Release the waiters, once (results and failures may race to get here)."""
+        with _OPENING:
+            if self._done:
+                return
+            self._done = True
+            self._latch.release()
+
+
+@dataclass(eq=False)
+class Entry:
+    """One tensor of one call: what was asked, the input, and where the result goes."""
+
+    request: Request
+    tensor: torch.Tensor | None
+    output: torch.Tensor | None
+    handle: Handle
+    index: int = 0
+    on_done: Callable[[Any], Any] | None = field(default=None)
+    # The steady-state schedule whose batch buffer already holds this entry's tensor.
+    staged: Schedule | None = None
+    # When it was submitted (timeline microseconds; 0 when no timeline was running).
+    submitted: int = 0
+    # Whether the result may be lent instead of written into the destination: a view of the
+    # engine's steady-state buffer, which the caller adopts (``grad.set_(result)``).
+    lend: bool = False
+
+
+def finish(entry: Entry, result: Any) -> None:
+    """Deliver one entry's result (through its ``on_done``) to its handle."""
+    if entry.on_done is not None:
+        result = entry.on_done(result)
+    entry.handle._set(entry.index, result)
+
+
+def fail(entries: list[Entry], message: str) -> None:
+    """Fail the handles of ``entries`` with ``message``."""
+    for entry in entries:
+        entry.handle._fail(message)

@@ -1,0 +1,110 @@
+"""What the engine writes into the timeline: each call's negotiation and queueing, and each
+batch's copy in, collective and copy out, on the rows of its tensors.
+
+The timeline writer itself (files, rows, flushing) is :mod:`hora.common.timeline`; this module
+knows entries and responses, and the span names of docs/timeline-format.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hora.common.engine.handles import Entry
+from hora.common.message import ReduceOp, RequestType, Response, key_label
+from hora.common.timeline import ENGINE_ROW, Timeline
+
+
+def op_label(response: Response) -> str:
+    """The operation's name in the timeline: the request kind, or ADASUM (as Horovod names it)."""
+    if response.kind == RequestType.ALLREDUCE and response.template().reduce_op == ReduceOp.ADASUM:
+        return "ADASUM"
+    return response.kind.name
+
+
+class Tracer:
+    """The engine's view of the timeline; does nothing while none is being written.
+
+    Attributes:
+        timeline: the timeline being written, if any (set and cleared at run time).
+        agreed_at: when the last negotiation cycle agreed on its responses (timeline time).
+        batch_number: the number of the last batch started on this rank; every rank numbers
+            batches alike, so a number names one collective across ranks.
+    """
+
+    def __init__(self) -> None:
+        self.timeline: Timeline | None = None
+        self.agreed_at = 0
+        self.batch_number = 0
+
+    def next_batch(self) -> int:
+        self.batch_number += 1
+        return self.batch_number
+
+    def now(self) -> int:
+        return self.timeline.now() if self.timeline is not None else 0
+
+    def mark(self, name: str) -> None:
+        """An instant on the engine's row (a cycle, entering or leaving the steady state)."""
+        if self.timeline is not None:
+            self.timeline.instant(ENGINE_ROW, name)
+
+    def negotiated(self, batch: list[Response], entries: Sequence[Entry | None]) -> int:
+        """NEGOTIATE_<OP> and QUEUE for this rank's tensors of a batch that starts now.
+
+        Returns:
+            the batch's start.
+        """
+        timeline = self.timeline
+        assert timeline is not None
+        start = timeline.now()
+        kind = op_label(batch[0])
+        args = f'{{"op":"{kind}"}}'
+        negotiate = f"NEGOTIATE_{kind}"
+        for entry in entries:
+            if entry is None or not entry.submitted:
+                continue
+            row = timeline.row(key_label(entry.request.key))
+            agreed = max(self.agreed_at, entry.submitted)
+            timeline.complete(row, negotiate, entry.submitted, agreed, args)
+            timeline.complete(row, "QUEUE", agreed, start)
+        return start
+
+    def waited_for_batch(self, entries: Sequence[Entry], started: int) -> None:
+        """WAIT_FOR_BATCH: from each steady-state entry's submission to its batch's start."""
+        timeline = self.timeline
+        if timeline is None:
+            return
+        args = '{"op":"ALLREDUCE"}'
+        for entry in entries:
+            if entry.submitted:
+                row = timeline.row(key_label(entry.request.key))
+                timeline.complete(row, "WAIT_FOR_BATCH", entry.submitted, started, args)
+
+    def collective(
+        self,
+        entries: Sequence[Entry | None],
+        label: str,
+        number: int,
+        times: tuple[int, int, int, int],
+        nbytes: int,
+    ) -> None:
+        """A batch's copy in, collective and copy out, on each of its tensors' rows.
+
+        Args:
+            times: batch start, collective start, collective end, results delivered.
+        """
+        timeline = self.timeline
+        if timeline is None:
+            return
+        start, issued, done, end = times
+        batch = f'{{"batch":{number}}}'
+        detail = f'{{"batch":{number},"tensors":{len(entries)},"bytes":{nbytes}}}'
+        for entry in entries:
+            if entry is None:
+                continue
+            row = timeline.row(key_label(entry.request.key))
+            if issued > start:
+                timeline.complete(row, "MEMCPY_IN_FUSION_BUFFER", start, issued, batch)
+            timeline.complete(row, label, issued, done, detail)
+            if end > done:
+                timeline.complete(row, "MEMCPY_OUT_FUSION_BUFFER", done, end, batch)
