@@ -322,17 +322,29 @@ def validate(
             f"{template.kind.label} {name!r}: {_rank_list(outsiders)} submitted it to process "
             f"set {ps_id} (ranks {list(members)}) without being a member."
         )
+    return (
+        _disagreement(name, requests)
+        or _invalid_for_kind(name, requests, members)
+        or _invalid_with_join(name, requests, members, joined)
+    )
+
+
+_SAME = "Every rank must submit the same operation, dtype and shape under one name"
+
+
+def _disagreement(name: str, requests: dict[int, Request]) -> str | None:
+    """Ranks that submitted different operations, dtypes, devices, shapes, reductions or scale
+    factors under one name."""
     reqs = list(requests.values())
-    same = "Every rank must submit the same operation, dtype and shape under one name"
+    kind = reqs[0].kind
     if len({r.kind for r in reqs}) > 1:
-        return _mismatch(name, "operations", requests, same + ".")
+        return _mismatch(name, "operations", requests, _SAME + ".")
     if len({r.dtype for r in reqs}) > 1:
-        return _mismatch(name, "data types", requests, same + ".")
+        return _mismatch(name, "data types", requests, _SAME + ".")
     if len({r.device for r in reqs}) > 1:
         return _mismatch(
             name, "CPU/GPU device selection", requests, "Every rank must use the same device type."
         )
-    kind = template.kind
     if kind in VARIABLE_FIRST_DIM:
         if any(len(r.shape) == 0 for r in reqs):
             return (
@@ -344,10 +356,10 @@ def validate(
                 name,
                 f"{kind.label} tensor shapes",
                 requests,
-                same + f" ({kind.label} allows the first dimension to differ).",
+                _SAME + f" ({kind.label} allows the first dimension to differ).",
             )
     elif len({r.shape for r in reqs}) > 1:
-        return _mismatch(name, f"{kind.label} tensor shapes", requests, same + ".")
+        return _mismatch(name, f"{kind.label} tensor shapes", requests, _SAME + ".")
     if kind in ELEMENTWISE:
         if len({r.reduce_op for r in reqs}) > 1:
             return _mismatch(
@@ -360,6 +372,17 @@ def validate(
                 requests,
                 "Every rank must pass the same prescale_factor and postscale_factor.",
             )
+    return None
+
+
+def _invalid_for_kind(
+    name: str, requests: dict[int, Request], members: tuple[int, ...]
+) -> str | None:
+    """Broadcast roots, alltoall splits and grouping: wrong even where ranks agree."""
+    template = requests[min(requests)]
+    reqs = list(requests.values())
+    kind = template.kind
+    ps_id = template.process_set_id
     if kind == RequestType.BROADCAST:
         if len({r.root_rank for r in reqs}) > 1:
             return _mismatch(
@@ -384,6 +407,14 @@ def validate(
             requests,
             "Every rank must submit this tensor in the same grouped call.",
         )
+    return None
+
+
+def _invalid_with_join(
+    name: str, requests: dict[int, Request], members: tuple[int, ...], joined: dict[int, None]
+) -> str | None:
+    """Only allreduce runs while a member has joined."""
+    kind = requests[min(requests)].kind
     absent_joined = [r for r in members if r not in requests and r in joined]
     if absent_joined and kind != RequestType.ALLREDUCE:
         return (

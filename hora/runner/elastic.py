@@ -984,7 +984,9 @@ def _hosts_from_flags(args: argparse.Namespace, limits: Limits) -> list[Host]:
     return parse_hosts(args.hosts or f"localhost:{limits.max_np or limits.np}")
 
 
-def run_elastic(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+def run_elastic(  # noqa: C901 - to be split with the runner (issue 21, item 5)
+    args: argparse.Namespace, say: Callable[[str], None]
+) -> int:
     """Run an elastic job for ``horarun``; returns its exit status.
 
     ``0``: the last round's workers all exited 0. ``1``: the job failed or could not go on (the

@@ -168,26 +168,7 @@ def load(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tim
         [0, 1]
     """
     warnings: list[str] = []
-    if isinstance(path, (str, os.PathLike)):
-        files = rank_files(path)
-        if not files:
-            raise TimelineError(
-                f"no timeline at '{os.fspath(path)}', and no '{rank_path(path, 1).name}'-style "
-                "rank files next to it.\nRun the job with HORA_TIMELINE="
-                f"{os.fspath(path)} (or horarun --timeline-filename) to write one."
-            )
-        if not Path(path).is_file():
-            warnings.append(
-                f"'{os.fspath(path)}' (rank 0's file) does not exist; read only its rank files."
-            )
-    else:
-        files = [Path(p) for p in path]
-        if not files:
-            raise TimelineError("no timeline files given.")
-        for p in files:
-            if not p.is_file():
-                raise TimelineError(f"no timeline file at '{p}'.")
-
+    files = _files_to_read(path, warnings)
     sources: list[SourceFile] = []
     events: list[Event] = []
     seen: set[tuple[Any, ...]] = set()
@@ -235,6 +216,32 @@ def load(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tim
             listed = ", ".join(str(r) for r in missing)
             warnings.append(f"no events for rank(s) {listed}; the summary leaves them out.")
     return Timeline(sources, events, row_names, warnings)
+
+
+def _files_to_read(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], warnings: list[str]
+) -> list[Path]:
+    """The files of a timeline (see :func:`load`); a missing rank 0 file is a warning."""
+    if isinstance(path, (str, os.PathLike)):
+        files = rank_files(path)
+        if not files:
+            raise TimelineError(
+                f"no timeline at '{os.fspath(path)}', and no '{rank_path(path, 1).name}'-style "
+                "rank files next to it.\nRun the job with HORA_TIMELINE="
+                f"{os.fspath(path)} (or horarun --timeline-filename) to write one."
+            )
+        if not Path(path).is_file():
+            warnings.append(
+                f"'{os.fspath(path)}' (rank 0's file) does not exist; read only its rank files."
+            )
+        return files
+    files = [Path(p) for p in path]
+    if not files:
+        raise TimelineError("no timeline files given.")
+    for file in files:
+        if not file.is_file():
+            raise TimelineError(f"no timeline file at '{file}'.")
+    return files
 
 
 def _read_array(path: Path) -> tuple[list[Any], bool, bool]:

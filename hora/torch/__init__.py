@@ -6,6 +6,8 @@ Example:
     >>> x = hvd.allreduce(torch.ones(3) * hvd.rank(), op=hvd.Sum)
 """
 
+from typing import Any
+
 from hora.common.basics import (
     ccl_built,
     cross_rank,
@@ -90,7 +92,7 @@ from hora.torch.optimizer import DistributedOptimizer
 from hora.torch.sync_batch_norm import SyncBatchNorm
 
 
-def init(comm=None, process_sets=None):  # noqa: ANN001, ANN201 - Horovod's signature
+def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
     """Start hora in this process. See :func:`hora.common.basics.init`."""
     _clear_handles()
     # Unnamed collectives are named by counting calls; every process of the (re)started job,
@@ -100,7 +102,7 @@ def init(comm=None, process_sets=None):  # noqa: ANN001, ANN201 - Horovod's sign
     _init(comm=comm, process_sets=process_sets)
 
 
-def shutdown():  # noqa: ANN201
+def shutdown() -> None:
     """Stop hora in this process; pending operations fail. ``init`` may be called again."""
     _shutdown()
     _clear_handles()

@@ -35,7 +35,7 @@ class _CastCompressor(Compressor):
     wire_dtype: torch.dtype = torch.float16
 
     @classmethod
-    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if tensor.dtype.is_floating_point and tensor.dtype != cls.wire_dtype:
             return tensor.to(cls.wire_dtype), tensor.dtype
         return tensor, None

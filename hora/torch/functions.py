@@ -132,11 +132,13 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
                 p.grad = torch.zeros_like(p).to_sparse()
             else:
                 p.grad = torch.zeros_like(p)
-    base_step = (
-        optimizer.__class__.__mro__[1].step
+    # A DistributedOptimizer's own step would reduce: take the wrapped class's.
+    base_class: Any = (
+        optimizer.__class__.__mro__[1]
         if hasattr(optimizer, "_requires_update")
-        else optimizer.__class__.step
+        else optimizer.__class__
     )
+    base_step = base_class.step
     base_step(optimizer)
     with torch.no_grad():
         for p, value, grad in saved:

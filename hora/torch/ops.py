@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -282,7 +282,7 @@ class RepeatedAllreduce:
         self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
         self._lend = lend
         self._process_set = process_set
-        self._fields = {
+        self._fields: dict[str, Any] = {
             "reduce_op": op,
             "prescale": float(prescale_factor),
             "postscale": float(postscale_factor),
@@ -433,8 +433,11 @@ class _AllreduceFunction(torch.autograd.Function):
         process_set: ProcessSet,
     ) -> torch.Tensor:
         ctx.args = (average, op, prescale, postscale, process_set)
-        return synchronize(
-            allreduce_async(tensor, average, name, op, prescale, postscale, process_set)
+        return cast(
+            torch.Tensor,
+            synchronize(
+                allreduce_async(tensor, average, name, op, prescale, postscale, process_set)
+            ),
         )
 
     @staticmethod
@@ -478,7 +481,7 @@ def allreduce(
     result = _AllreduceFunction.apply(
         compressed.contiguous(), average, name, op, prescale_factor, postscale_factor, process_set
     )
-    return compression.decompress(result, ctx)
+    return cast(torch.Tensor, compression.decompress(result, ctx))
 
 
 def allreduce_(
@@ -491,8 +494,13 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
-    return synchronize(
-        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return cast(
+        torch.Tensor,
+        synchronize(
+            allreduce_async_(
+                tensor, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        ),
     )
 
 
@@ -611,10 +619,13 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place."""
-    return synchronize(
-        grouped_allreduce_async_(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    return cast(
+        list[torch.Tensor],
+        synchronize(
+            grouped_allreduce_async_(
+                tensors, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        ),
     )
 
 
@@ -727,7 +738,7 @@ def allgather(
     Example:
         >>> hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
     """
-    return _AllgatherFunction.apply(tensor, name, process_set)
+    return cast(torch.Tensor, _AllgatherFunction.apply(tensor, name, process_set))
 
 
 class _GroupedAllgatherFunction(torch.autograd.Function):
@@ -829,7 +840,7 @@ def broadcast(
     Example:
         >>> weights = hvd.broadcast(weights, root_rank=0)
     """
-    return _BroadcastFunction.apply(tensor, root_rank, name, process_set)
+    return cast(torch.Tensor, _BroadcastFunction.apply(tensor, root_rank, name, process_set))
 
 
 def broadcast_(
@@ -839,7 +850,7 @@ def broadcast_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Broadcast into ``tensor`` in place and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return cast(torch.Tensor, synchronize(broadcast_async_(tensor, root_rank, name, process_set)))
 
 
 # ---------------------------------------------------------------- alltoall
@@ -994,7 +1005,10 @@ def _reducescatter_grad(
 ) -> torch.Tensor:
     set_size = len(basics.engine().process_sets.members(process_set.process_set_id or 0))
     factor = prescale * postscale * (set_size if op == ReduceOp.SUM else 1)
-    return synchronize(allgather_async((grad * factor).contiguous(), process_set=process_set))
+    return cast(
+        torch.Tensor,
+        synchronize(allgather_async((grad * factor).contiguous(), process_set=process_set)),
+    )
 
 
 class _ReducescatterFunction(torch.autograd.Function):
@@ -1038,7 +1052,7 @@ def reducescatter(
     result = _ReducescatterFunction.apply(
         compressed.contiguous(), name, op, process_set, prescale_factor, postscale_factor
     )
-    return compression.decompress(result, ctx)
+    return cast(torch.Tensor, compression.decompress(result, ctx))
 
 
 class _GroupedReducescatterFunction(torch.autograd.Function):

@@ -56,12 +56,34 @@ def _set_backward_passes_per_step(self: Any, passes: int) -> None:
         self._delay[p] = passes
 
 
+def _step_only(
+    self: Any, params: list[torch.Tensor] | None, skip: set[torch.Tensor] | None = None
+) -> Any:
+    """Run the wrapped optimizer's step on ``params`` only (or on all but ``skip``)."""
+    chosen = set(params) if params is not None else None
+    saved = [group["params"] for group in self.param_groups]
+    try:
+        for group in self.param_groups:
+            group["params"] = [
+                p
+                for p in group["params"]
+                if (chosen is None or p in chosen) and (skip is None or p not in skip)
+            ]
+        return super(self._hora_class, self).step()
+    finally:
+        for group, params_of_group in zip(self.param_groups, saved):
+            group["params"] = params_of_group
+
+
 # A held gradient: its parameter and the gradient tensor its hook saw (see _batches_now).
 _Held = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class (see the factory below)."""
+
+    # The subclass the factory makes; super(_hora_class, self) is the wrapped optimizer class.
+    _hora_class: type[torch.optim.Optimizer]
 
     def __init__(
         self,
@@ -75,7 +97,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        super(self._hora_class, self).__init__(params)  # type: ignore[misc]
+        super(self._hora_class, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes its defaults
         self._compression = compression
         self._op = op
         self._predivide = gradient_predivide_factor
@@ -411,23 +433,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return super(self._hora_class, self).step()  # type: ignore[misc]
         return self._step_only(None, skip=stepped)
 
-    def _step_only(
-        self, params: list[torch.Tensor] | None, skip: set[torch.Tensor] | None = None
-    ) -> Any:
-        """Run the wrapped optimizer's step on ``params`` only (or on all but ``skip``)."""
-        chosen = set(params) if params is not None else None
-        saved = [group["params"] for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["params"] = [
-                    p
-                    for p in group["params"]
-                    if (chosen is None or p in chosen) and (skip is None or p not in skip)
-                ]
-            return super(self._hora_class, self).step()  # type: ignore[misc]
-        finally:
-            for group, params_of_group in zip(self.param_groups, saved):
-                group["params"] = params_of_group
+    _step_only = _step_only
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
         compression_ctx, submitted, was_sparse = ctx
@@ -448,11 +454,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # a view of memory the caller arranged (a flat buffer of all gradients, or the
             # engine's buffer it adopted before, kept by zero_grad(set_to_none=False)): the
             # result is written into it, where such a caller looks for it.
-            grad.set_(result)
+            grad.set_(result)  # type: ignore[call-overload]  # set_(Tensor) is missing from the stubs
         elif result.data_ptr() != grad.data_ptr() or result.dtype != grad.dtype:
             grad.copy_(result)
         if was_sparse:
-            p.grad = p.grad.to_sparse()
+            p.grad = grad.to_sparse()
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -538,6 +544,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     its own gradients, as in Horovod.
     """
 
+    _hora_class: type[torch.optim.Optimizer]
+
     def __init__(
         self,
         params: Any,
@@ -545,7 +553,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         compression: Any,
         backward_passes_per_step: int,
     ) -> None:
-        super(self._hora_class, self).__init__(params)  # type: ignore[misc]
+        super(self._hora_class, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes its defaults
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self._parameter_names = {
@@ -579,7 +587,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         handle = ops.allreduce_async_(compressed, name=self._parameter_names[p], op=ReduceOp.ADASUM)
         return handle, ctx
 
-    _step_only = _DistributedOptimizer._step_only
+    _step_only = _step_only
 
     def synchronize(self) -> None:
         """Nothing to do: the combined deltas are applied by ``step()``."""

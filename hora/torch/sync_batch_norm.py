@@ -7,7 +7,7 @@ backward. It knows nothing of how the collectives travel; it calls :mod:`hora.to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -96,7 +96,7 @@ class SyncBatchNorm(_BatchNorm):
             with torch.no_grad():
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
                 self.running_var.lerp_(var_unbiased.to(self.running_var.dtype), momentum)
-        return output
+        return cast(torch.Tensor, output)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
