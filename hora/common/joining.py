@@ -27,16 +27,14 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
-import warnings
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from hora.common.config import flag, lookup
-from hora.common.launchers import StorePlan
+from hora.common.config import lookup
+from hora.common.launchers import StorePlan, import_mpi
 from hora.common.rendezvous import StoreClient, new_secret, sign, start_store_server, verify
 from hora.common.store_keys import GenerationKeys
 from hora.common.topology import Topology, TopologyError
@@ -57,55 +55,8 @@ _linger: dict[str, Any] = {}
 # ---------------------------------------------------------------- mpi4py
 
 
-def mpi4py_usable(launcher: str) -> bool:
-    """Whether rank 0 may send the store's address with mpi4py under ``launcher``.
-
-    True when ``HORA_MPI4PY`` is not 0, mpi4py imports, and its MPI library is the launcher's
-    (an mpi4py built for Open MPI started by MPICH's ``mpiexec`` would see a world of one).
-    Importing ``mpi4py.MPI`` here does not initialize MPI; :func:`join` does.
-    """
-    if not flag("MPI4PY", default=True):
-        return False
-    try:
-        mpi = _import_mpi()
-    except ImportError:
-        return False
-    except Exception as exc:  # noqa: BLE001 - a broken MPI install must not stop hvd.init()
-        logger.debug("mpi4py is installed but cannot be loaded (%s); not using it", exc)
-        return False
-    version = str(mpi.Get_library_version())
-    if launcher == "Open MPI":
-        matches = "Open MPI" in version
-    elif launcher == "MVAPICH":
-        matches = "MVAPICH" in version
-    else:
-        matches = "Open MPI" not in version
-    if not matches:
-        logger.debug(
-            "mpi4py's MPI (%s) is not %s's; rendezvous without mpi4py",
-            version.splitlines()[0] if version else "?",
-            launcher,
-        )
-    return matches
-
-
-def _import_mpi() -> Any:
-    if "mpi4py.MPI" not in sys.modules:
-        import mpi4py
-
-        # Initialize MPI ourselves, only once we know it is the launcher's MPI; finalize at exit.
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = True
-        with warnings.catch_warnings():
-            # mpi4py warns at import about another MPI's launcher variables; hora says it better.
-            warnings.simplefilter("ignore", RuntimeWarning)
-            from mpi4py import MPI
-        return MPI
-    return sys.modules["mpi4py.MPI"]
-
-
 def _mpi_world(topology: Topology) -> Any:
-    mpi = _import_mpi()
+    mpi = import_mpi()
     if not mpi.Is_initialized():
         mpi.Init_thread(mpi.THREAD_MULTIPLE)
     world = mpi.COMM_WORLD

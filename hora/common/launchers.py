@@ -12,13 +12,19 @@ reached. Readers only parse; choosing between launchers and checking that they a
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import socket
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from hora.common.config import lookup
+from hora.common.config import flag, lookup
+
+logger = logging.getLogger("hora")
 
 # torch.distributed's default store port (``MASTER_PORT``'s usual value).
 TORCH_DEFAULT_PORT = 29500
@@ -595,3 +601,52 @@ READERS: dict[str, Callable[[Mapping[str, str], Callable[[str], bool]], Reading 
     "slurm": lambda env, _: read_slurm(env),
     "env": lambda env, _: read_env_method(env),
 }
+
+
+def mpi4py_usable(launcher: str) -> bool:
+    """Whether rank 0 may send the store's address with mpi4py under ``launcher``.
+
+    True when ``HORA_MPI4PY`` is not 0, mpi4py imports, and its MPI library is the launcher's
+    (an mpi4py built for Open MPI started by MPICH's ``mpiexec`` would see a world of one).
+    Importing ``mpi4py.MPI`` here does not initialize MPI; :func:`join` does.
+    """
+    if not flag("MPI4PY", default=True):
+        return False
+    try:
+        mpi = import_mpi()
+    except ImportError:
+        return False
+    except Exception as exc:  # noqa: BLE001 - a broken MPI install must not stop hvd.init()
+        logger.debug("mpi4py is installed but cannot be loaded (%s); not using it", exc)
+        return False
+    version = str(mpi.Get_library_version())
+    if launcher == "Open MPI":
+        matches = "Open MPI" in version
+    elif launcher == "MVAPICH":
+        matches = "MVAPICH" in version
+    else:
+        matches = "Open MPI" not in version
+    if not matches:
+        logger.debug(
+            "mpi4py's MPI (%s) is not %s's; rendezvous without mpi4py",
+            version.splitlines()[0] if version else "?",
+            launcher,
+        )
+    return matches
+
+
+def import_mpi() -> Any:
+    """``mpi4py.MPI``, imported without initializing MPI (hora initializes it once it knows
+    it is the launcher's MPI, and finalizes it at exit)."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        # Initialize MPI ourselves, only once we know it is the launcher's MPI; finalize at exit.
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+        with warnings.catch_warnings():
+            # mpi4py warns at import about another MPI's launcher variables; hora says it better.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            from mpi4py import MPI
+        return MPI
+    return sys.modules["mpi4py.MPI"]

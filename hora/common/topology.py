@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hora.common.config import lookup
-from hora.common.launchers import READERS, LauncherError, Reading, StorePlan
+from hora.common.launchers import READERS, LauncherError, Reading, StorePlan, mpi4py_usable
 
 logger = logging.getLogger("hora")
 
@@ -250,7 +250,7 @@ def detect(
     Args:
         env: the variables to read (default: ``os.environ``).
         use_mpi4py: called with an MPI launcher's name; whether rank 0 may send the store's
-            address with mpi4py. Default: :func:`hora.common.joining.mpi4py_usable` when reading
+            address with mpi4py. Default: :func:`hora.common.launchers.mpi4py_usable` when reading
             ``os.environ``, never for an explicit ``env``.
 
     Raises:
@@ -258,12 +258,7 @@ def detect(
     """
     source = os.environ if env is None else env
     if use_mpi4py is None:
-        if env is None:
-            from hora.common.joining import mpi4py_usable
-
-            use_mpi4py = mpi4py_usable
-        else:
-            use_mpi4py = _never
+        use_mpi4py = mpi4py_usable if env is None else _never
     forced = (lookup("LAUNCHER", source) or "").lower()
     if forced and forced not in LAUNCHER_NAMES:
         raise TopologyError(

@@ -13,7 +13,7 @@ from typing import Any
 import cloudpickle
 
 from hora.runner.hosts import assign_slots, parse_hosts
-from hora.runner.launch import worker_env
+from hora.runner.options import worker_env
 from hora.runner.supervisor import OutputForwarder, Supervisor
 
 FUNCTION_KEY = "run/function"

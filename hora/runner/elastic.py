@@ -68,12 +68,13 @@ from hora.common.rendezvous import StoreClient, report_failure
 from hora.common.store_keys import exit_key
 from hora.runner import options
 from hora.runner.hosts import Host, HostError, Slot, is_local, parse_hostfile, parse_hosts
-from hora.runner.launch import ssh_settings, worker_env
+from hora.runner.options import worker_env
 from hora.runner.remote import (
     SshSettings,
     interface_address,
     rendezvous_address,
     require_ssh,
+    ssh_settings,
 )
 from hora.runner.supervisor import (
     OutputForwarder,

@@ -32,26 +32,14 @@ from hora.runner.hosts import (
     parse_hostfile,
     parse_hosts,
 )
+from hora.runner.options import worker_env
 from hora.runner.remote import (
-    CONNECT_TIMEOUT_S,
     SshSettings,
     check_hosts,
     rendezvous_address,
+    ssh_settings,
 )
 from hora.runner.supervisor import OutputForwarder, Supervisor, install_signal_handlers
-
-# Variables not passed to workers (as horovodrun).
-_DROPPED_ENV = ("OLDPWD",)
-
-
-def worker_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
-    """A worker's environment: ``base`` less what must not be passed on, plus ``extra``."""
-    env = {
-        k: v for k, v in base.items() if k not in _DROPPED_ENV and not k.startswith("BASH_FUNC_")
-    }
-    env.update(extra)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @dataclass(frozen=True)
@@ -72,18 +60,6 @@ class Plan:
     bind_address: str
     interface_env: dict[str, str]
     ssh: SshSettings
-
-
-def ssh_settings(args: argparse.Namespace) -> SshSettings:
-    """How the job's hosts are reached: the SSH flags, and a connect timeout capped by
-    ``--start-timeout``."""
-    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
-    return SshSettings(
-        port=args.ssh_port,
-        identity_file=args.ssh_identity_file,
-        options=tuple(args.ssh_option or ()),
-        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
-    )
 
 
 def plan_job(args: argparse.Namespace, say: Callable[[str], None]) -> Plan:

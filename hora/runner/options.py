@@ -694,3 +694,17 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     if args.timeline_mark_cycles is not None:
         env["HORA_TIMELINE_MARK_CYCLES"] = "1" if args.timeline_mark_cycles else "0"
     return env
+
+
+# Variables not passed to workers (as horovodrun).
+_DROPPED_ENV = ("OLDPWD",)
+
+
+def worker_env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """A worker's environment: ``base`` less what must not be passed on, plus ``extra``."""
+    env = {
+        k: v for k, v in base.items() if k not in _DROPPED_ENV and not k.startswith("BASH_FUNC_")
+    }
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

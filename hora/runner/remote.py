@@ -12,6 +12,7 @@ This module knows ssh and hosts; it does not supervise processes.
 
 from __future__ import annotations
 
+import argparse
 import math
 import shlex
 import shutil
@@ -284,3 +285,15 @@ def rendezvous_address(
             "interface every host can reach."
         )
     return next(iter(by_source))
+
+
+def ssh_settings(args: argparse.Namespace) -> SshSettings:
+    """How the job's hosts are reached: the SSH flags, and a connect timeout capped by
+    ``--start-timeout``."""
+    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
+    return SshSettings(
+        port=args.ssh_port,
+        identity_file=args.ssh_identity_file,
+        options=tuple(args.ssh_option or ()),
+        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
+    )

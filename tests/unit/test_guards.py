@@ -94,3 +94,49 @@ def test_topology_queries_before_init_raise() -> None:
 
     with pytest.raises(ValueError, match="has not been initialized"):
         hvd.rank()
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the hora modules it imports (anywhere in it), from the source files."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    paths = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (root / "hora").rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hora"):
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    imported.add(name if name in paths else node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names if a.name in paths)
+        graph[module] = imported
+    return graph
+
+
+def test_no_import_cycles_between_modules() -> None:
+    # A package importing its own submodules (and they the package's names) is no cycle.
+    graph = _import_graph()
+
+    def related(a: str, b: str) -> bool:
+        return a.startswith(b + ".") or b.startswith(a + ".")
+
+    cycles = []
+
+    def visit(start: str, module: str, path: list[str]) -> None:
+        for nxt in graph.get(module, ()):
+            if nxt == start and len(path) > 1:
+                if not all(related(a, b) for a, b in zip(path, path[1:] + path[:1])):
+                    cycles.append(path)
+            elif nxt not in path and len(path) < 6:
+                visit(start, nxt, [*path, nxt])
+
+    for module in graph:
+        visit(module, module, [module])
+    assert not cycles, f"import cycles: {cycles[:5]}"
