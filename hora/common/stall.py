@@ -119,7 +119,7 @@ class StallInspector:
             if not blocking:
                 return None
             key, missing = blocking[0]
-            who = _ranks_text(missing)
+            who = ranks_text(missing)
             verb = "has" if len(missing) == 1 else "have"
             lines.append(
                 f"  rank {rank} waits for {key_label(key)}, which {who} {verb} not submitted"
@@ -137,5 +137,6 @@ class StallInspector:
         )
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """``"rank 1"``, ``"ranks 1, 2"``: ranks as messages name them."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)

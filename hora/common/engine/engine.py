@@ -323,12 +323,15 @@ class Engine:
         self.replay.maybe_enter(self._table)
         return True
 
+    def _stall_reason(self) -> str | None:
+        """The stall inspector's shutdown reason, when a check is due and finds one."""
+        return self._stall.check(self._table) if self._stall.due() and self._table else None
+
     def _check_stall(self) -> None:
-        if self._stall.due() and self._table:
-            reason = self._stall.check(self._table)
-            if reason is not None:
-                with self.intake.wakeup:
-                    self.intake.shutdown_reason = self.intake.shutdown_reason or reason
+        reason = self._stall_reason()
+        if reason is not None:
+            with self.intake.wakeup:
+                self.intake.shutdown_reason = self.intake.shutdown_reason or reason
 
     def _wait_for_turn(self) -> None:
         """Start the next cycle when local work arrives or a cycle time has passed.
@@ -374,21 +377,17 @@ class Engine:
                 if self._woken_round >= round_:
                     break
                 intake.wakeup.wait(timeout=WATCH_INTERVAL_S)
-                if self._stall.due() and self._table:
-                    reason = self._stall.check(self._table)
-                    if reason is not None:
-                        intake.shutdown_reason = intake.shutdown_reason or reason
+                stalled = self._stall_reason()
                 # Every rank parks when nobody has anything new: that is where a deadlock
                 # shows. The store calls run without the lock, which user threads need.
                 intake.wakeup.release()
                 try:
                     awaited = intake.awaited(WAIT_RECORD_AFTER_S)
                     self._deadlocks.record(awaited)
-                    reason = self._deadlocks.check(self._table, awaited)
+                    deadlock = self._deadlocks.check(self._table, awaited)
                 finally:
                     intake.wakeup.acquire()
-                if reason is not None:
-                    intake.shutdown_reason = intake.shutdown_reason or reason
+                intake.shutdown_reason = intake.shutdown_reason or stalled or deadlock
         if ring:
             self._store.set_signed(wake_key, b"")
         self._idle_cycles = 0
@@ -478,7 +477,10 @@ class Engine:
         head = batch[0]
         number = self.tracer.next_batch()
         tracer = self.tracer
-        if head.kind in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET):
+        if (
+            head.kind in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET)
+            and head.error is None
+        ):
             if tracer.timeline is not None:
                 tracer.negotiated(batch, self.intake.get(head.keys))
             self._change_process_set(head)
@@ -495,7 +497,7 @@ class Engine:
         run = Run(
             batch,
             entries,
-            self._communicators.get(head.process_set_id, self._control),
+            self._communicators[head.process_set_id],
             members,
             self.rank,
             number,

@@ -28,7 +28,7 @@ from hora.common.engine.timing import (
 from hora.common.message import Key, key_parts, make_key
 from hora.common.negotiation import MessageTable
 from hora.common.rendezvous import StoreClient, read_failure, report_failure
-from hora.common.stall import StallInspector
+from hora.common.stall import StallInspector, ranks_text
 from hora.common.store_keys import FAILURE, GenerationKeys, exit_key
 
 logger = logging.getLogger("hora")
@@ -158,10 +158,6 @@ def diagnose(
     if report and not report.startswith(f"rank {rank}: "):
         return f"rank {rank} stopped after a failure on another rank: {report}"
     return f"rank {rank}: a collective failed while every rank is still alive: {error}"
-
-
-def ranks_text(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
 class DeadlockCheck:
