@@ -119,3 +119,30 @@ def test_while_a_rank_has_joined_other_ops_fail_at_once_and_averages_are_exact(n
                 assert torch.equal(next(averages), expected), (rank, first, dtype)
         for error in observed["gather_errors"] + observed["broadcast_errors"]:
             assert_raised(error, RuntimeError, "joined: only allreduce is supported with join")
+
+
+def _process_set_while_joined_worker() -> dict[str, Any]:
+    import hora.torch as hvd
+
+    hvd.init()
+    out: dict[str, Any] = {}
+    if hvd.rank() == 0:
+        hvd.join()
+    else:
+        # Rank 0 has joined and never submits it: refused on every other rank, registered
+        # nowhere (every rank keeps the same table of sets).
+        out["refused"] = error_of(lambda: hvd.add_process_set([1]))
+        hvd.join()
+    added = hvd.add_process_set([1])
+    out["added_id"] = added.process_set_id
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_process_set_change_while_a_rank_has_joined_is_refused_everywhere(np: int) -> None:
+    ranks = run_job(_process_set_while_joined_worker, np, env={"HORA_DYNAMIC_PROCESS_SETS": "1"})
+    for observed in ranks[1:]:
+        assert_raised(observed["refused"], RuntimeError, "rank 0 joined")
+    assert len({observed["added_id"] for observed in ranks}) == 1

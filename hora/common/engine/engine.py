@@ -265,8 +265,9 @@ class Engine:
             name = f"process_set.{set_id}.remove"
             kind = RequestType.REMOVE_PROCESS_SET
         else:
-            set_id = self.process_sets.reserve_id()
-            name = f"process_set.{set_id}.add"
+            # The id is taken when every rank agreed (see _change_process_set), so that a
+            # change refused on some ranks leaves no rank's numbering behind the others'.
+            name = "process_set.add." + ",".join(str(r) for r in ranks)
             kind = RequestType.ADD_PROCESS_SET
         handle = self.handle(1, kind)
         request = Request(name=name, kind=kind, dtype="uint8", ranks=ranks)
@@ -518,11 +519,13 @@ class Engine:
 
     def _change_process_set(self, response: Response) -> None:
         template = response.template()
-        set_id = int(template.name.split(".")[1])
         ranks = template.ranks or ()
         if response.kind == RequestType.ADD_PROCESS_SET:
+            # Every rank runs agreed changes in the same order: the ids agree.
+            set_id = self.process_sets.reserve_id()
             self._register_process_set(set_id, ranks)
         else:
+            set_id = int(template.name.split(".")[1])
             self._finisher.drain()
             self.process_sets.remove(set_id)
             removed = self._communicators.pop(set_id, None)
