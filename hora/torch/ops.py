@@ -1,23 +1,22 @@
 """Horovod's collective operations on PyTorch tensors.
 
-Each collective is written once as an ``*_async`` function that turns tensors into engine
-requests and returns an integer handle; the synchronous, in-place and differentiable forms are
-thin wrappers around it. This module knows tensors and autograd; the engine does the rest.
+Each collective is written once as an ``*_async`` function that hands tensors to the
+framework-neutral submission layer (:mod:`hora.common.submission`: checks, names, requests,
+handles) and returns an integer handle; the synchronous, in-place and differentiable forms are
+thin wrappers around it. This module knows PyTorch's tensors, autograd and compression; the
+rest is the engine's.
 """
 
 from __future__ import annotations
 
-import warnings
-import weakref
-from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
-from hora.common import adasum, basics
-from hora.common.engine import Entry, Handle, dtype_name
-from hora.common.errors import HoraInternalError, HoraValueError
-from hora.common.message import ReduceOp, Request, RequestType
+from hora.common import basics, submission
+from hora.common.errors import HoraValueError
+from hora.common.message import ReduceOp, RequestType
 from hora.common.process_sets import ProcessSet
 from hora.torch.compression import Compression
 
@@ -30,337 +29,63 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
-_handles: dict[int, tuple[Handle, Any]] = {}
+poll = submission.poll
+_clear_handles = submission.clear_handles
 
 
-class GradientHolder(Protocol):
-    """Something that holds tensors back before submitting them (``DistributedOptimizer``
-    holds a steady-state batch's small gradients until the batch is complete)."""
+def synchronize(handle: int) -> Any:
+    """Wait for the operation behind ``handle`` and return its output.
 
-    def release_held(self) -> None:
-        """Submit what this thread holds: it is about to wait for a result, which might be
-        in a batch that also waits for what it holds."""
+    Returns:
+        A tensor; a list for grouped ops; ``(output, received_splits)`` for alltoall.
 
-
-# Holders holding something now (see hold()). Weak: a holder that is gone holds nothing.
-_holders: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def hold(holder: GradientHolder) -> None:
-    """Register ``holder`` while it holds tensors back: any wait for a result (``synchronize``)
-    first asks every registered holder to release what it holds."""
-    _holders.add(holder)
-
-
-def stop_holding(holder: GradientHolder) -> None:
-    _holders.discard(holder)
-
-
-_REDUCE_OP_NAMES = {op: op.label for op in ReduceOp}
-_PREFIXES = {kind: kind.name.lower() for kind in RequestType}
-
-
-def _op_label(kind: RequestType) -> str:
-    return kind.name.capitalize()
-
-
-def _check_process_set(process_set: ProcessSet, kind: RequestType) -> int:
-    engine = basics.engine()
-    set_id = process_set.process_set_id
-    if set_id is None or not engine.process_sets.contains(set_id):
-        raise HoraValueError(
-            f"{_op_label(kind)}: {process_set} is not registered. Pass it to "
-            "hvd.init(process_sets=[...]) or hvd.add_process_set(...) on every rank first."
-        )
-    if engine.rank not in engine.process_sets.members(set_id):
-        raise HoraValueError(
-            f"{_op_label(kind)}: Rank {engine.rank} is not a member of the provided process set."
-        )
-    return set_id
-
-
-def _check_tensor(tensor: Any, kind: RequestType) -> str:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{_op_label(kind)} expects a torch.Tensor, got {type(tensor).__name__}.")
-    if not tensor.is_contiguous():
-        raise HoraValueError("Tensor is required to be contiguous.")
-    if tensor.is_sparse:
-        raise HoraValueError(
-            f"{_op_label(kind)} does not take sparse tensors; use sparse_allreduce_async or "
-            "convert with tensor.to_dense()."
-        )
-    name = dtype_name(tensor.dtype)
-    if name is None:
-        raise HoraValueError(f"Tensor type {tensor.dtype} is not supported.")
-    return name
-
-
-def _resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
-    if op is not None and average is not None:
-        raise HoraValueError(
-            "The op parameter supersedes average. Please provide only one of them."
-        )
-    if average is not None:
-        warnings.warn(
-            "Parameter `average` has been replaced with `op` and will be removed.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    if op is None:
-        return ReduceOp.AVERAGE
-    try:
-        return ReduceOp(int(op))
-    except (TypeError, ValueError):
-        raise HoraValueError(
-            f"{_op_label(kind)}: unknown reduction op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, "
-            "hvd.Max or hvd.Product."
-        ) from None
-
-
-def _submit_reduction(
-    kind: RequestType,
-    tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor | None],
-    name: str | None,
-    reduce_op: ReduceOp,
-    process_set: ProcessSet,
-    prescale_factor: float,
-    postscale_factor: float,
-    grouped: bool,
-) -> Handle:
-    """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
-    _check_reduction(kind, tensors, reduce_op, process_set)
-    prefix = _PREFIXES[kind]
-    return _submit(
-        kind,
-        f"grouped_{prefix}" if grouped else prefix,
-        tensors,
-        outputs,
-        name,
-        process_set,
-        grouped=grouped,
-        reduce_op=reduce_op,
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
-    )
-
-
-def _check_reduction(
-    kind: RequestType,
-    tensors: Sequence[torch.Tensor],
-    reduce_op: ReduceOp,
-    process_set: ProcessSet | None = None,
-) -> None:
-    """Raise if hora cannot run ``reduce_op`` on these tensors (in ``process_set``, if given)."""
-    if reduce_op == ReduceOp.ADASUM:
-        check_adasum(kind, tensors, process_set)
-    if reduce_op == ReduceOp.AVERAGE and any(
-        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors
-    ):
-        raise HoraValueError(
-            f"{_op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
-            "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
-        )
-
-
-def check_adasum(
-    kind: RequestType, tensors: Sequence[torch.Tensor], process_set: ProcessSet | None
-) -> None:
-    """Adasum's constraints, as Horovod states them (NotImplementedError is a RuntimeError)."""
-    if kind != RequestType.ALLREDUCE:
-        raise HoraValueError(
-            f"{_op_label(kind)} currently only supports AVERAGE and SUM; op=hvd.Adasum is for "
-            "allreduce, grouped_allreduce and DistributedOptimizer."
-        )
-    if process_set is not None and process_set.process_set_id not in (None, 0):
-        raise NotImplementedError(
-            "Adasum does not support non-global process sets yet: use op=hvd.Adasum on the "
-            "global process set, or op=hvd.Average within a process set."
-        )
-    size = basics.size()
-    if not adasum.is_power_of_two(size):
-        raise NotImplementedError(
-            f"Running Adasum with non-power of 2 ranks is not supported yet: this job has {size} "
-            "ranks. Run 1, 2, 4, 8, ... ranks, or use op=hvd.Average."
-        )
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
-            raise HoraValueError(
-                f"Adasum combines floating-point tensors only (float16, bfloat16, float32, "
-                f"float64), not {tensor.dtype}; use op=hvd.Sum or hvd.Average for it."
-            )
-
-
-def _full_name(prefix: str, name: str | None, handle: Handle) -> str:
-    return f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle.id}"
-
-
-def _register(handle: Handle, post: Any = None) -> int:
-    _handles[handle.id] = (handle, post)
-    return handle.id
-
-
-def _submit(
-    kind: RequestType,
-    prefix: str,
-    tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor | None],
-    name: str | None,
-    process_set: ProcessSet,
-    grouped: bool = False,
-    **fields: Any,
-) -> Handle:
-    """Build one entry per tensor and hand them to the engine atomically."""
-    set_id = _check_process_set(process_set, kind)
-    engine = basics.engine()
-    handle = engine.handle(len(tensors), kind, grouped)
-    base = _full_name(prefix, name, handle)
-    count = len(tensors)
-    if grouped and len({t.device for t in tensors}) > 1:
-        raise HoraValueError("Tensors in list must be on same device.")
-    entries = []
-    for index, (tensor, output) in enumerate(zip(tensors, outputs)):
-        full = f"{base}_{index + 1}of{count}" if grouped else base
-        group = (base, count) if grouped else None
-        request = _request(kind, full, tensor, set_id, group, fields)
-        if tensor.is_cuda:
-            _engine_stream_waits_for_caller(tensor.device)
-        entries.append(Entry(request, tensor, output, handle, index))
-    engine.enqueue(entries)
-    return handle
-
-
-def _request(
-    kind: RequestType,
-    name: str,
-    tensor: torch.Tensor,
-    set_id: int,
-    group: tuple[str, int] | None,
-    fields: dict[str, Any],
-) -> Request:
-    """Check one tensor and describe it to the engine."""
-    dtype = _check_tensor(tensor, kind)
-    return Request(
-        name=name,
-        kind=kind,
-        dtype=dtype,
-        shape=tuple(tensor.shape),
-        process_set_id=set_id,
-        device="cpu" if tensor.is_cpu else tensor.device.type,
-        group=group,
-        **fields,
-    )
-
-
-class RepeatedAllreduce:
-    """An in-place allreduce submitted again and again under one name: a gradient's, every step.
-
-    ``submit(tensor)`` is ``allreduce_async_(tensor, name=name, ...)``, but the checks and the
-    request are made only when the tensor's dtype, shape or device (or the engine, after an
-    elastic reset) changes; otherwise a call only queues the tensor. ``DistributedOptimizer``'s
-    gradient hooks use it: they run on backward's critical path, once per parameter per step.
-
-    With ``lend=True`` the result may instead be a view of the engine's steady-state buffer,
-    with ``tensor`` left as it was: the caller adopts it (``tensor.set_(result)``), which saves
-    copying the result into ``tensor``. The engine writes that buffer again only once no
-    tensor refers to it.
+    Raises:
+        HoraInternalError: the operation failed (mismatch between ranks, lost peer, shutdown).
     """
-
-    __slots__ = ("_dtype", "_engine", "_fields", "_lend", "_name", "_process_set", "_request")
-
-    def __init__(
-        self,
-        name: str,
-        op: ReduceOp,
-        prescale_factor: float,
-        postscale_factor: float,
-        process_set: ProcessSet,
-        lend: bool = False,
-    ) -> None:
-        _check_reduction(RequestType.ALLREDUCE, [], op, process_set)
-        self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
-        self._lend = lend
-        self._process_set = process_set
-        self._fields: dict[str, Any] = {
-            "reduce_op": op,
-            "prescale": float(prescale_factor),
-            "postscale": float(postscale_factor),
-        }
-        self._request: Request | None = None
-        self._engine: Any = None
-        self._dtype: torch.dtype | None = None
-
-    @property
-    def name(self) -> str:
-        """The request's full name (as the engine and its schedule know it)."""
-        return self._name
-
-    def submit(self, tensor: torch.Tensor) -> int:
-        """Start reducing ``tensor`` in place; returns a handle, as ``allreduce_async_`` does."""
-        kind = RequestType.ALLREDUCE
-        engine = basics.engine()
-        request = self._request
-        if request is not None and request.process_set_id == 0 and engine is self._engine:
-            # The global set is there as long as its engine is; another set may have been
-            # removed, or removed and added again under another id, since the last call.
-            set_id = 0
-        else:
-            set_id = _check_process_set(self._process_set, kind)
-        if (
-            request is None
-            or engine is not self._engine
-            or tensor.dtype is not self._dtype
-            or request.process_set_id != set_id
-            or request.shape != tensor.shape
-            or request.device != ("cpu" if tensor.is_cpu else tensor.device.type)
-            or not tensor.is_contiguous()
-        ):
-            _check_reduction(kind, [tensor], self._fields["reduce_op"], self._process_set)
-            request = _request(kind, self._name, tensor, set_id, None, self._fields)
-            self._request, self._engine, self._dtype = request, engine, tensor.dtype
-        if tensor.is_cuda:
-            _engine_stream_waits_for_caller(tensor.device)
-        handle = engine.handle(1, kind)
-        engine.enqueue([Entry(request, tensor, tensor, handle, lend=self._lend)])
-        return _register(handle)
+    return submission.wait(handle)
 
 
-def _engine_stream_waits_for_caller(device: torch.device) -> None:
-    """Order the engine's reads of a CUDA tensor after the work queued to produce it.
+# ---------------------------------------------------------------- autograd
 
-    The engine's threads copy CUDA tensors to host memory on the device's default stream. A
-    caller that queued the tensor's kernels on another stream (``torch.cuda.stream(s)``, as
-    some training loops and libraries do) would race with that copy, so the default stream
-    waits for the caller's stream here; the host does not wait.
-    """
-    current = torch.cuda.current_stream(device)
-    default = torch.cuda.default_stream(device)
-    if current != default:
-        default.wait_stream(current)
+# A differentiable collective's two halves: each takes the tensors (the inputs, or the
+# gradients of the outputs) and gives the results, one per input.
+_Half = Callable[[Any, Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]
 
 
-def _caller_waits_for_engine_stream(results: Sequence[Any]) -> None:
-    """Order the caller's later work on a CUDA result after the engine's copy into it.
+class _Differentiable(torch.autograd.Function):
+    """Every differentiable collective: ``forward`` and ``backward`` are the call's own
+    functions (closures over its non-tensor arguments)."""
 
-    ``results`` holds one result per entry: a tensor, or a tuple of tensors (alltoall).
-    """
-    first = results[0] if results else None
-    if isinstance(first, tuple):
-        first = first[0]
-    if isinstance(first, torch.Tensor) and first.is_cuda:
-        current = torch.cuda.current_stream(first.device)
-        default = torch.cuda.default_stream(first.device)
-        if current != default:
-            current.wait_stream(default)
+    @staticmethod
+    def forward(ctx: Any, forward: _Half, backward: _Half, *tensors: torch.Tensor) -> Any:
+        ctx.backward_half = backward
+        return tuple(forward(ctx, tensors))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, None, *ctx.backward_half(ctx, grads))
+
+
+def _differentiable(forward: _Half, backward: _Half, tensors: Sequence[torch.Tensor]) -> Any:
+    return _Differentiable.apply(forward, backward, *tensors)
+
+
+def _results(handle: int, grouped: bool) -> list[Any]:
+    """Wait for ``handle``; its results as a list, one per tensor of the call."""
+    result = synchronize(handle)
+    return list(result) if grouped else [result]
+
+
+def _contiguous(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous() for t in tensors]
 
 
 # ---------------------------------------------------------------- allreduce
 
 
-def _allreduce_submit(
+def _allreduce(
     tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor | None],
+    in_place: bool,
     name: str | None,
     op: Any,
     average: bool | None,
@@ -368,18 +93,22 @@ def _allreduce_submit(
     postscale_factor: float,
     process_set: ProcessSet,
     grouped: bool,
-) -> Handle:
-    reduce_op = _resolve_op(op, average, RequestType.ALLREDUCE)
-    return _submit_reduction(
-        RequestType.ALLREDUCE,
-        tensors,
-        outputs,
-        name,
-        reduce_op,
-        process_set,
-        prescale_factor,
-        postscale_factor,
-        grouped,
+) -> int:
+    reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
+    tensors = list(tensors)
+    outputs = tensors if in_place else [torch.empty_like(t) for t in tensors]
+    return submission.register(
+        submission.submit_reduction(
+            RequestType.ALLREDUCE,
+            tensors,
+            outputs,
+            name,
+            reduce_op,
+            process_set,
+            prescale_factor,
+            postscale_factor,
+            grouped,
+        )
     )
 
 
@@ -397,11 +126,8 @@ def allreduce_async(
     Returns:
         A handle for :func:`poll` and :func:`synchronize`.
     """
-    output = torch.empty_like(tensor)
-    handle = _allreduce_submit(
-        [tensor], [output], name, op, average, prescale_factor, postscale_factor, process_set, False
-    )
-    return _register(handle)
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce([tensor], False, name, op, average, *scales, process_set, False)
 
 
 def allreduce_async_(
@@ -414,39 +140,33 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start reducing ``tensor`` in place."""
-    handle = _allreduce_submit(
-        [tensor], [tensor], name, op, average, prescale_factor, postscale_factor, process_set, False
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce([tensor], True, name, op, average, *scales, process_set, False)
+
+
+def _differentiable_allreduce(
+    tensors: Sequence[torch.Tensor],
+    grouped: bool,
+    average: bool | None,
+    name: str | None,
+    op: Any,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+) -> Any:
+    """Allreduce ``tensors``; the gradient is reduced the same way."""
+
+    def reduce(tensors: Sequence[torch.Tensor], name: str | None) -> list[torch.Tensor]:
+        handle = _allreduce(
+            tensors, False, name, op, average, prescale, postscale, process_set, grouped
+        )
+        return _results(handle, grouped)
+
+    return _differentiable(
+        lambda ctx, inputs: reduce(inputs, name),
+        lambda ctx, grads: reduce(_contiguous(grads), None),
+        tensors,
     )
-    return _register(handle)
-
-
-class _AllreduceFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        average: Any,
-        name: Any,
-        op: Any,
-        prescale: float,
-        postscale: float,
-        process_set: ProcessSet,
-    ) -> torch.Tensor:
-        ctx.args = (average, op, prescale, postscale, process_set)
-        return cast(
-            torch.Tensor,
-            synchronize(
-                allreduce_async(tensor, average, name, op, prescale, postscale, process_set)
-            ),
-        )
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        average, op, prescale, postscale, process_set = ctx.args
-        reduced = synchronize(
-            allreduce_async(grad.contiguous(), average, None, op, prescale, postscale, process_set)
-        )
-        return reduced, None, None, None, None, None, None
 
 
 def allreduce(
@@ -478,8 +198,15 @@ def allreduce(
         >>> total = hvd.allreduce(torch.tensor([hvd.rank()]), op=hvd.Sum)
     """
     compressed, ctx = compression.compress(tensor)
-    result = _AllreduceFunction.apply(
-        compressed.contiguous(), average, name, op, prescale_factor, postscale_factor, process_set
+    (result,) = _differentiable_allreduce(
+        [compressed.contiguous()],
+        False,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
     )
     return cast(torch.Tensor, compression.decompress(result, ctx))
 
@@ -514,19 +241,8 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start reducing a list of tensors as one negotiated, fused operation."""
-    outputs = [torch.empty_like(t) for t in tensors]
-    handle = _allreduce_submit(
-        list(tensors),
-        outputs,
-        name,
-        op,
-        average,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        True,
-    )
-    return _register(handle)
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce(tensors, False, name, op, average, *scales, process_set, True)
 
 
 def grouped_allreduce_async_(
@@ -539,50 +255,8 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """In-place form of :func:`grouped_allreduce_async`."""
-    handle = _allreduce_submit(
-        list(tensors),
-        list(tensors),
-        name,
-        op,
-        average,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        True,
-    )
-    return _register(handle)
-
-
-class _GroupedAllreduceFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        average: Any,
-        name: Any,
-        op: Any,
-        prescale: float,
-        postscale: float,
-        process_set: ProcessSet,
-        *tensors: torch.Tensor,
-    ) -> Any:
-        ctx.args = (average, op, prescale, postscale, process_set)
-        return tuple(
-            synchronize(
-                grouped_allreduce_async(
-                    list(tensors), average, name, op, prescale, postscale, process_set
-                )
-            )
-        )
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        average, op, prescale, postscale, process_set = ctx.args
-        reduced = synchronize(
-            grouped_allreduce_async(
-                [g.contiguous() for g in grads], average, None, op, prescale, postscale, process_set
-            )
-        )
-        return (None, None, None, None, None, None, *reduced)
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce(tensors, True, name, op, average, *scales, process_set, True)
 
 
 def grouped_allreduce(
@@ -597,14 +271,15 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors together (one negotiation, fused where possible)."""
     compressed = [compression.compress(t) for t in tensors]
-    results = _GroupedAllreduceFunction.apply(
+    results = _differentiable_allreduce(
+        [c.contiguous() for c, _ in compressed],
+        True,
         average,
         name,
         op,
         prescale_factor,
         postscale_factor,
         process_set,
-        *[c.contiguous() for c, _ in compressed],
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
 
@@ -637,7 +312,7 @@ def sparse_allreduce_async(
     Calling the returned function waits and gives the reduced sparse tensor (duplicates are
     not coalesced, as in Horovod).
     """
-    reduce_op = _resolve_op(op, None, RequestType.ALLREDUCE)
+    reduce_op = submission.resolve_op(op, None, RequestType.ALLREDUCE)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise HoraValueError("sparse_allreduce_async supports only hvd.Average and hvd.Sum.")
     tensor = tensor.coalesce() if not tensor.is_coalesced() else tensor
@@ -645,7 +320,7 @@ def sparse_allreduce_async(
     values = tensor._values().contiguous()
     h_indices = allgather_async(indices, name=f"{name}.indices", process_set=process_set)
     h_values = allgather_async(values, name=f"{name}.values", process_set=process_set)
-    set_size = len(process_set.ranks) if process_set.process_set_id else basics.size()
+    set_size = submission.set_size(process_set)
 
     def finish() -> torch.Tensor:
         all_values = synchronize(h_values)
@@ -669,19 +344,19 @@ def _check_not_scalar(tensors: Sequence[torch.Tensor]) -> None:
             )
 
 
-def _allgather_submit(
+def _allgather(
     tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
-) -> Handle:
+) -> int:
     _check_not_scalar(tensors)
-    prefix = "grouped_allgather" if grouped else "allgather"
-    return _submit(
-        RequestType.ALLGATHER,
-        prefix,
-        tensors,
-        [None] * len(tensors),
-        name,
-        process_set,
-        grouped=grouped,
+    return submission.register(
+        submission.submit(
+            RequestType.ALLGATHER,
+            tensors,
+            [None] * len(tensors),
+            name,
+            process_set,
+            grouped=grouped,
+        )
     )
 
 
@@ -689,7 +364,7 @@ def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Start gathering ``tensor`` from every rank, concatenated along dimension 0."""
-    return _register(_allgather_submit([tensor], name, process_set, False))
+    return _allgather([tensor], name, process_set, False)
 
 
 def grouped_allgather_async(
@@ -698,34 +373,34 @@ def grouped_allgather_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start gathering a list of tensors as one negotiated operation."""
-    return _register(_allgather_submit(list(tensors), name, process_set, True))
+    return _allgather(list(tensors), name, process_set, True)
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
     sizes = synchronize(
         allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=process_set)
     )
-    engine = basics.engine()
-    members = engine.process_sets.members(process_set.process_set_id or 0)
-    me = members.index(engine.rank)
-    offset = int(sizes[:me].sum())
+    offset = int(sizes[: submission.set_rank(process_set)].sum())
     return grad.narrow(0, offset, rows)
 
 
-class _AllgatherFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: ProcessSet) -> Any:
-        _check_not_scalar([tensor])
-        ctx.rows = tensor.shape[0]
-        ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+def _differentiable_allgather(
+    tensors: Sequence[torch.Tensor], grouped: bool, name: str | None, process_set: ProcessSet
+) -> Any:
+    """Allgather ``tensors``; each gradient is averaged and this rank's rows are its own."""
+    _check_not_scalar(tensors)
+    rows = [t.shape[0] for t in tensors]
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = synchronize(
-            allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set)
-        )
-        return _own_rows(reduced, ctx.rows, ctx.process_set), None, None
+    def gather(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return _results(_allgather(inputs, name, process_set, grouped), grouped)
+
+    def scatter_back(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        grads = _contiguous(grads)
+        handle = _allreduce(grads, False, None, Average, None, 1.0, 1.0, process_set, grouped)
+        reduced = _results(handle, grouped)
+        return [_own_rows(g, n, process_set) for g, n in zip(reduced, rows)]
+
+    return _differentiable(gather, scatter_back, tensors)
 
 
 def allgather(
@@ -738,25 +413,8 @@ def allgather(
     Example:
         >>> hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
     """
-    return cast(torch.Tensor, _AllgatherFunction.apply(tensor, name, process_set))
-
-
-class _GroupedAllgatherFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: Any, process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
-        _check_not_scalar(tensors)
-        ctx.rows = [t.shape[0] for t in tensors]
-        ctx.process_set = process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        reduced = synchronize(
-            grouped_allreduce_async(
-                [g.contiguous() for g in grads], op=Average, process_set=ctx.process_set
-            )
-        )
-        return (None, None, *[_own_rows(g, n, ctx.process_set) for g, n in zip(reduced, ctx.rows)])
+    (result,) = _differentiable_allgather([tensor], False, name, process_set)
+    return cast(torch.Tensor, result)
 
 
 def grouped_allgather(
@@ -765,27 +423,23 @@ def grouped_allgather(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Allgather each tensor of a list, negotiated together."""
-    return list(_GroupedAllgatherFunction.apply(name, process_set, *tensors))
+    return list(_differentiable_allgather(list(tensors), True, name, process_set))
 
 
 # ---------------------------------------------------------------- broadcast
 
 
-def _broadcast_submit(
+def _broadcast(
     tensor: torch.Tensor,
     output: torch.Tensor,
     root_rank: int,
     name: str | None,
     process_set: ProcessSet,
-) -> Handle:
-    return _submit(
-        RequestType.BROADCAST,
-        "broadcast",
-        [tensor],
-        [output],
-        name,
-        process_set,
-        root_rank=int(root_rank),
+) -> int:
+    return submission.register(
+        submission.submit(
+            RequestType.BROADCAST, [tensor], [output], name, process_set, root_rank=int(root_rank)
+        )
     )
 
 
@@ -796,8 +450,7 @@ def broadcast_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start copying ``root_rank``'s tensor to every rank (into a new tensor)."""
-    output = torch.empty_like(tensor)
-    return _register(_broadcast_submit(tensor, output, root_rank, name, process_set))
+    return _broadcast(tensor, torch.empty_like(tensor), root_rank, name, process_set)
 
 
 def broadcast_async_(
@@ -807,26 +460,7 @@ def broadcast_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start broadcasting into ``tensor`` in place."""
-    return _register(_broadcast_submit(tensor, tensor, root_rank, name, process_set))
-
-
-class _BroadcastFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, process_set: ProcessSet
-    ) -> Any:
-        ctx.root_rank = root_rank
-        ctx.process_set = process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = synchronize(
-            allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set)
-        )
-        if basics.rank() != ctx.root_rank:
-            reduced = reduced * 0
-        return reduced, None, None, None
+    return _broadcast(tensor, tensor, root_rank, name, process_set)
 
 
 def broadcast(
@@ -837,10 +471,23 @@ def broadcast(
 ) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank. ``root_rank`` is a global rank.
 
+    Differentiable: the root gets the average of every rank's gradient, the others zeros.
+
     Example:
         >>> weights = hvd.broadcast(weights, root_rank=0)
     """
-    return cast(torch.Tensor, _BroadcastFunction.apply(tensor, root_rank, name, process_set))
+
+    def send(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [synchronize(broadcast_async(inputs[0], root_rank, name, process_set))]
+
+    def gather_to_root(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        reduced = synchronize(
+            allreduce_async(grads[0].contiguous(), op=Average, process_set=process_set)
+        )
+        return [reduced if basics.rank() == root_rank else reduced * 0]
+
+    (result,) = _differentiable(send, gather_to_root, [tensor])
+    return cast(torch.Tensor, result)
 
 
 def broadcast_(
@@ -891,32 +538,11 @@ def alltoall_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start an alltoall; ``synchronize`` gives ``(output, received_splits)``."""
-    _check_process_set(process_set, RequestType.ALLTOALL)
-    set_size = len(basics.engine().process_sets.members(process_set.process_set_id or 0))
-    values = _normalize_splits(tensor, splits, set_size)
-    handle = _submit(
-        RequestType.ALLTOALL, "alltoall", [tensor], [None], name, process_set, splits=values
+    submission.check_process_set(process_set, RequestType.ALLTOALL)
+    values = _normalize_splits(tensor, splits, submission.set_size(process_set))
+    return submission.register(
+        submission.submit(RequestType.ALLTOALL, [tensor], [None], name, process_set, splits=values)
     )
-    return _register(handle)
-
-
-class _AlltoallFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: ProcessSet
-    ) -> Any:
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
-        ctx.received = received
-        ctx.process_set = process_set
-        ctx.mark_non_differentiable(received)
-        return output, received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> Any:
-        output, _ = synchronize(
-            alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.process_set)
-        )
-        return output, None, None, None
 
 
 def alltoall(
@@ -927,6 +553,8 @@ def alltoall(
 ) -> Any:
     """Scatter slices of ``tensor`` to every rank and gather what they send back.
 
+    Differentiable: the gradient goes back with the splits each rank received.
+
     Args:
         tensor: rows to send, grouped by destination.
         splits: rows for each rank (default: equal parts).
@@ -934,14 +562,29 @@ def alltoall(
     Returns:
         The received tensor; ``(received, received_splits)`` when ``splits`` is given.
     """
-    output, received = _AlltoallFunction.apply(tensor, splits, name, process_set)
+
+    def exchange(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        output, received = synchronize(alltoall_async(inputs[0], splits, name, process_set))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return [output, received]
+
+    def send_back(ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        grad = grads[0]
+        assert grad is not None
+        output, _ = synchronize(
+            alltoall_async(grad.contiguous(), ctx.received, process_set=process_set)
+        )
+        return [output]
+
+    output, received = _differentiable(exchange, send_back, [tensor])
     return output if splits is None else (output, received)
 
 
 # ---------------------------------------------------------------- reducescatter
 
 
-def _reducescatter_submit(
+def _reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None,
     op: Any,
@@ -949,22 +592,24 @@ def _reducescatter_submit(
     prescale_factor: float,
     postscale_factor: float,
     grouped: bool,
-) -> Handle:
-    reduce_op = _resolve_op(op, None, RequestType.REDUCESCATTER)
+) -> int:
+    reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise HoraValueError("Reducescatter currently only supports AVERAGE and SUM.")
     if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
         raise HoraValueError("Reducescatter needs a tensor with at least one dimension.")
-    return _submit_reduction(
-        RequestType.REDUCESCATTER,
-        tensors,
-        [None] * len(tensors),
-        name,
-        reduce_op,
-        process_set,
-        prescale_factor,
-        postscale_factor,
-        grouped,
+    return submission.register(
+        submission.submit_reduction(
+            RequestType.REDUCESCATTER,
+            tensors,
+            [None] * len(tensors),
+            name,
+            reduce_op,
+            process_set,
+            prescale_factor,
+            postscale_factor,
+            grouped,
+        )
     )
 
 
@@ -977,11 +622,7 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Start a reducescatter: reduce across ranks, then give each rank its slice of dim 0."""
-    return _register(
-        _reducescatter_submit(
-            [tensor], name, op, process_set, prescale_factor, postscale_factor, False
-        )
-    )
+    return _reducescatter([tensor], name, op, process_set, prescale_factor, postscale_factor, False)
 
 
 def grouped_reducescatter_async(
@@ -993,46 +634,36 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Start reducescatters of a list of tensors, negotiated together."""
-    return _register(
-        _reducescatter_submit(
-            list(tensors), name, op, process_set, prescale_factor, postscale_factor, True
-        )
+    return _reducescatter(
+        list(tensors), name, op, process_set, prescale_factor, postscale_factor, True
     )
 
 
-def _reducescatter_grad(
-    grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
-) -> torch.Tensor:
-    set_size = len(basics.engine().process_sets.members(process_set.process_set_id or 0))
-    factor = prescale * postscale * (set_size if op == ReduceOp.SUM else 1)
-    return cast(
-        torch.Tensor,
-        synchronize(allgather_async((grad * factor).contiguous(), process_set=process_set)),
-    )
+def _differentiable_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    grouped: bool,
+    name: str | None,
+    op: Any,
+    process_set: ProcessSet,
+    prescale: float,
+    postscale: float,
+) -> Any:
+    """Reducescatter ``tensors``; each gradient is gathered back, scaled as the forward was."""
+    reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
 
+    def scatter(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        handle = _reducescatter(inputs, name, op, process_set, prescale, postscale, grouped)
+        return _results(handle, grouped)
 
-class _ReducescatterFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        name: Any,
-        op: Any,
-        process_set: ProcessSet,
-        prescale: float,
-        postscale: float,
-    ) -> Any:
-        ctx.args = (
-            _resolve_op(op, None, RequestType.REDUCESCATTER),
-            prescale,
-            postscale,
-            process_set,
-        )
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+    def gather(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        size = submission.set_size(process_set)
+        factor = prescale * postscale * (size if reduce_op == ReduceOp.SUM else 1)
+        return [
+            synchronize(allgather_async((g * factor).contiguous(), process_set=process_set))
+            for g in grads
+        ]
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _reducescatter_grad(grad, *ctx.args), None, None, None, None, None
+    return _differentiable(scatter, gather, tensors)
 
 
 def reducescatter(
@@ -1049,40 +680,10 @@ def reducescatter(
     When dimension 0 does not divide evenly, the first ``dim0 % size`` ranks get one extra row.
     """
     compressed, ctx = compression.compress(tensor)
-    result = _ReducescatterFunction.apply(
-        compressed.contiguous(), name, op, process_set, prescale_factor, postscale_factor
+    (result,) = _differentiable_reducescatter(
+        [compressed.contiguous()], False, name, op, process_set, prescale_factor, postscale_factor
     )
     return cast(torch.Tensor, compression.decompress(result, ctx))
-
-
-class _GroupedReducescatterFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        name: Any,
-        op: Any,
-        process_set: ProcessSet,
-        prescale: float,
-        postscale: float,
-        *tensors: torch.Tensor,
-    ) -> Any:
-        ctx.args = (
-            _resolve_op(op, None, RequestType.REDUCESCATTER),
-            prescale,
-            postscale,
-            process_set,
-        )
-        return tuple(
-            synchronize(
-                grouped_reducescatter_async(
-                    list(tensors), name, op, process_set, prescale, postscale
-                )
-            )
-        )
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return (None, None, None, None, None, *[_reducescatter_grad(g, *ctx.args) for g in grads])
 
 
 def grouped_reducescatter(
@@ -1096,60 +697,19 @@ def grouped_reducescatter(
 ) -> list[torch.Tensor]:
     """Reducescatter each tensor of a list, negotiated together."""
     compressed = [compression.compress(t) for t in tensors]
-    results = _GroupedReducescatterFunction.apply(
+    results = _differentiable_reducescatter(
+        [c.contiguous() for c, _ in compressed],
+        True,
         name,
         op,
         process_set,
         prescale_factor,
         postscale_factor,
-        *[c.contiguous() for c, _ in compressed],
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
 
 
 # ---------------------------------------------------------------- synchronization
-
-
-def poll(handle: int) -> bool:
-    """Whether the operation behind ``handle`` has finished (never blocks)."""
-    entry = _handles.get(handle)
-    if entry is None:
-        raise ValueError(f"Handle {handle} was not created or has been cleared.")
-    # A steady-state batch done on the wire is only landed once someone asks for it: the
-    # handle tells its engine.
-    return entry[0].poll()
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation behind ``handle`` and return its output.
-
-    Returns:
-        A tensor; a list for grouped ops; ``(output, received_splits)`` for alltoall.
-
-    Raises:
-        HoraInternalError: the operation failed (mismatch between ranks, lost peer, shutdown).
-    """
-    entry = _handles.pop(handle, None)
-    if entry is None:
-        return None
-    op_handle, post = entry
-    if _holders and not op_handle.done():
-        for holder in list(_holders):
-            holder.release_held()
-    try:
-        results = op_handle.wait()
-    except HoraInternalError:
-        raise
-    except RuntimeError as exc:
-        raise HoraInternalError(str(exc)) from exc
-    _caller_waits_for_engine_stream(results)
-    if post is not None:
-        return post(results)
-    if op_handle.kind == RequestType.ALLTOALL:
-        return results[0]
-    if op_handle.grouped:
-        return list(results)
-    return results[0]
 
 
 def join(device: int = -1) -> int:
@@ -1159,43 +719,9 @@ def join(device: int = -1) -> int:
     global rank that joined last (the same on every rank).
     """
     del device
-    engine = basics.engine()
-    handle = engine.handle(1, RequestType.JOIN)
-    engine.enqueue(
-        [
-            Entry(
-                Request(name="join.noname", kind=RequestType.JOIN, dtype="uint8"),
-                None,
-                None,
-                handle,
-            )
-        ]
-    )
-    return int(handle.wait()[0])
+    return submission.join()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has called ``barrier``."""
-    set_id = _check_process_set(process_set, RequestType.BARRIER)
-    engine = basics.engine()
-    handle = engine.handle(1, RequestType.BARRIER)
-    engine.enqueue(
-        [
-            Entry(
-                Request(
-                    name=f"barrier.noname.{set_id}",
-                    kind=RequestType.BARRIER,
-                    dtype="uint8",
-                    process_set_id=set_id,
-                ),
-                None,
-                None,
-                handle,
-            )
-        ]
-    )
-    handle.wait()
-
-
-def _clear_handles() -> None:
-    _handles.clear()
+    submission.barrier(process_set)

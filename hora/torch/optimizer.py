@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from hora.common import basics
+from hora.common import basics, submission
 from hora.common.engine import owns_its_memory
+from hora.common.errors import HoraInternalError
 from hora.common.message import ReduceOp, RequestType
 from hora.common.process_sets import ProcessSet
 from hora.common.timeline import TRAINING_ROW
@@ -42,7 +43,7 @@ _ZERO_GRAD_RACE = (
 
 def _guarded_zero_grad(self: Any, set_to_none: bool = True) -> None:
     """``zero_grad()``, refused while reductions are in flight (Horovod's guard)."""
-    if any(handle is not None for handle, _ in self._handles.values()):
+    if any(pending is not _UNSUBMITTED for pending in self._handles.values()):
         raise AssertionError(_ZERO_GRAD_RACE)
     super(self._hora_class, self).zero_grad(set_to_none)
 
@@ -78,6 +79,97 @@ def _step_only(
 # A held gradient: its parameter and the gradient tensor its hook saw (see _batches_now).
 _Held = tuple[torch.Tensor, torch.Tensor | None]
 
+# The reduced gradients of a group, by the group's handle, as collected so far in a step.
+_GroupResults = dict[int, list[torch.Tensor]]
+
+
+class _Pending:
+    """What a parameter's gradient is waiting for in this step (``_handles``' values)."""
+
+    __slots__ = ()
+
+    def finished(self, group_results: _GroupResults) -> bool:
+        """Whether the result is in, without waiting (sparse ones count as not in)."""
+        return False
+
+    def collect(self, optimizer: Any, p: torch.Tensor, group_results: _GroupResults) -> None:
+        """Wait for the reduced gradient and write it into ``p.grad``."""
+        raise HoraInternalError(
+            f"hora: the gradient of {optimizer._parameter_names.get(p, 'a parameter')} was "
+            f"collected while {self}; please report this."
+        )
+
+
+class _Mark(_Pending):
+    """A gradient not submitted yet: still accumulating, waiting for its group, or held."""
+
+    __slots__ = ("_why",)
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+
+    def __str__(self) -> str:
+        return self._why
+
+
+# Not submitted in this step yet (accumulating locally, or waiting for the rest of its group).
+_UNSUBMITTED = _Mark("not submitted yet")
+# Held until its steady-state batch is complete (see _batches_now).
+_HELD = _Mark("held for its batch")
+
+
+class _Reduction(_Pending):
+    """A gradient reduced on its own: its handle, and what ``_write_grad`` needs."""
+
+    __slots__ = ("compression_ctx", "handle", "submitted", "was_sparse")
+
+    def __init__(
+        self, handle: int, compression_ctx: Any, submitted: torch.Tensor, was_sparse: bool
+    ) -> None:
+        self.handle = handle
+        self.compression_ctx = compression_ctx
+        self.submitted = submitted
+        self.was_sparse = was_sparse
+
+    def finished(self, group_results: _GroupResults) -> bool:
+        return bool(submission.poll(self.handle))
+
+    def collect(self, optimizer: Any, p: torch.Tensor, group_results: _GroupResults) -> None:
+        optimizer._write_grad(p, ops.synchronize(self.handle), self)
+
+
+class _GroupMember(_Reduction):
+    """A gradient reduced with its group: the group's handle and its place in the group."""
+
+    __slots__ = ("index",)
+
+    def __init__(
+        self, handle: int, index: int, compression_ctx: Any, submitted: torch.Tensor
+    ) -> None:
+        super().__init__(handle, compression_ctx, submitted, False)
+        self.index = index
+
+    def finished(self, group_results: _GroupResults) -> bool:
+        return self.handle in group_results or super().finished(group_results)
+
+    def collect(self, optimizer: Any, p: torch.Tensor, group_results: _GroupResults) -> None:
+        results = group_results.get(self.handle)
+        if results is None:
+            results = group_results[self.handle] = ops.synchronize(self.handle)
+        optimizer._write_grad(p, results[self.index], self)
+
+
+class _SparseReduction(_Pending):
+    """A sparse gradient, gathered as indices and values (``sparse_allreduce_async``)."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Any) -> None:
+        self._finish = finish
+
+    def collect(self, optimizer: Any, p: torch.Tensor, group_results: _GroupResults) -> None:
+        p.grad = self._finish().coalesce()
+
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class (see the factory below)."""
@@ -106,7 +198,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._parameter_names = _parameter_names(self.param_groups, named_parameters)
         self._delay: dict[torch.Tensor, int] = {}
-        self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._handles: dict[torch.Tensor, _Pending] = {}
         self._hooks: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
@@ -117,7 +209,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups: list[list[torch.Tensor]] = []
         self._group_ready: dict[int, set[torch.Tensor]] = {}
         # Per parameter reduced on its own: its allreduce, with the request made once.
-        self._reducers: dict[torch.Tensor, ops.RepeatedAllreduce] = {}
+        self._reducers: dict[torch.Tensor, submission.RepeatedAllreduce] = {}
         # In the steady state, the small gradients the engine reduces in one batch are submitted
         # together once the last of them is in (see _batches_now). Per batch: the gradients held
         # so far in this backward pass (None: not looked up yet in this pass) and how many are
@@ -146,7 +238,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = self._scales()
         for p in params:
             if p not in self._group_of:
-                self._reducers[p] = ops.RepeatedAllreduce(
+                self._reducers[p] = submission.RepeatedAllreduce(
                     self._parameter_names[p],
                     self._op,
                     prescale,
@@ -173,12 +265,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handles = self._handles
         pending = handles.get(p)
         delay = self._delay[p]
-        if pending is not None and pending[0] is not None and delay <= 0:
+        if pending is not None and pending is not _UNSUBMITTED and delay <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
         delay -= 1
         self._delay[p] = delay
         if delay > 0:
-            handles[p] = (None, None)
+            handles[p] = _UNSUBMITTED
             return
         group = self._group_of.get(p) if self._group_of else None
         if group is None:
@@ -189,7 +281,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if number is None:
                 handles[p] = self._submit(p)
                 return
-            handles[p] = (_HELD, None)
+            handles[p] = _HELD
             # The tensor this hook saw is the one reduced later, even if the caller replaces
             # ``.grad`` (or sets it to None) meanwhile, as for a gradient submitted at once.
             held[number].append((p, p.grad))
@@ -200,7 +292,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         ready = self._group_ready.setdefault(group, set())
         ready.add(p)
-        self._handles[p] = (None, None)
+        self._handles[p] = _UNSUBMITTED
         if len(ready) == len(self._groups[group]):
             self._submit_group(group)
 
@@ -243,7 +335,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return []
         self._left = list(self._batch_sizes)
         self._holder = threading.get_ident()
-        ops.hold(self)
+        submission.hold(self)
         return [[] for _ in self._batch_sizes]
 
     def release_held(self) -> None:
@@ -283,7 +375,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = dense
         return grad
 
-    def _submit(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> tuple[Any, Any]:
+    def _submit(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> _Pending:
         """Submit ``p``'s gradient: ``grad``, the one its hook held, or else ``p.grad``."""
         if grad is None:
             grad = p.grad
@@ -293,11 +385,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             finish = ops.sparse_allreduce_async(
                 grad, name=self._parameter_names[p], op=self._op, process_set=self._process_set
             )
-            return finish, "sparse"
+            return _SparseReduction(finish)
         if sparse:
             grad = self._dense_grad(p, grad)
         compressed, ctx = self._compression.compress(grad)
-        return self._reducers[p].submit(compressed), (ctx, compressed, sparse)
+        return _Reduction(self._reducers[p].submit(compressed), ctx, compressed, sparse)
 
     def _submit_group(self, group: int) -> None:
         members = self._groups[group]
@@ -318,10 +410,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             process_set=self._process_set,
         )
         for index, p in enumerate(members):
-            self._handles[p] = (
-                ("group", handle, index),
-                (contexts[index], compressed[index], False),
-            )
+            self._handles[p] = _GroupMember(handle, index, contexts[index], compressed[index])
         self._group_ready.pop(group, None)
 
     def synchronize(self) -> None:
@@ -331,9 +420,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         zeros, so every rank submits the same names.
         """
         if self._submit_outstanding():
-            group_results: dict[int, list[torch.Tensor]] = {}
-            for p, (handle, ctx) in self._handles.items():
-                self._collect(p, handle, ctx, group_results)
+            group_results: _GroupResults = {}
+            for p, pending in self._handles.items():
+                self._collect(p, pending, group_results)
             self._handles.clear()
         self._synchronized = True
 
@@ -345,7 +434,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # below, after the batch's others).
             self._submit_all_held()
             self._held = None
-            ops.stop_holding(self)
+            submission.stop_holding(self)
         first, last = self._backward_span
         if first:
             timeline = basics.current_timeline()
@@ -358,7 +447,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             pending = self._handles.get(p)
-            if pending is None or pending[0] is None:
+            if pending is None or pending is _UNSUBMITTED:
                 group = self._group_of.get(p)
                 if group is None:
                     self._handles[p] = self._submit(p)
@@ -368,19 +457,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._submit_group(group)
         return True
 
-    def _collect(
-        self, p: torch.Tensor, handle: Any, ctx: Any, group_results: dict[int, list[torch.Tensor]]
-    ) -> None:
+    def _collect(self, p: torch.Tensor, pending: _Pending, group_results: _GroupResults) -> None:
         """Wait for ``p``'s reduced gradient and write it into ``p.grad``."""
-        if ctx == "sparse":
-            p.grad = handle().coalesce()
-        elif isinstance(handle, tuple):
-            _, group_handle, index = handle
-            if group_handle not in group_results:
-                group_results[group_handle] = ops.synchronize(group_handle)
-            self._write_grad(p, group_results[group_handle][index], ctx)
-        else:
-            self._write_grad(p, ops.synchronize(handle), ctx)
+        pending.collect(self, p, group_results)
         self._delay[p] = self.backward_passes_per_step
 
     def _steps_in_parts(self) -> bool:
@@ -412,20 +491,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._submit_outstanding():
             return super(self._hora_class, self).step()  # type: ignore[misc]
-        group_results: dict[int, list[torch.Tensor]] = {}
+        group_results: _GroupResults = {}
         ready: list[torch.Tensor] = []
         elements = 0
         stepped: set[torch.Tensor] = set()
-        for p, (handle, ctx) in self._handles.items():
-            if (
-                ready
-                and elements >= _PART_MIN_ELEMENTS
-                and not _finished(handle, ctx, group_results)
-            ):
+        for p, pending in self._handles.items():
+            if ready and elements >= _PART_MIN_ELEMENTS and not pending.finished(group_results):
                 self._step_only(ready)
                 stepped.update(ready)
                 ready, elements = [], 0
-            self._collect(p, handle, ctx, group_results)
+            self._collect(p, pending, group_results)
             ready.append(p)
             elements += p.numel()
         self._handles.clear()
@@ -435,9 +510,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     _step_only = _step_only
 
-    def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        compression_ctx, submitted, was_sparse = ctx
-        result = self._compression.decompress(output, compression_ctx)
+    def _write_grad(self, p: torch.Tensor, output: torch.Tensor, reduction: _Reduction) -> None:
+        submitted = reduction.submitted
+        result = self._compression.decompress(output, reduction.compression_ctx)
         grad = p.grad
         assert grad is not None
         if (
@@ -457,7 +532,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad.set_(result)  # type: ignore[call-overload]  # set_(Tensor) is missing from the stubs
         elif result.data_ptr() != grad.data_ptr() or result.dtype != grad.dtype:
             grad.copy_(result)
-        if was_sparse:
+        if reduction.was_sparse:
             p.grad = grad.to_sparse()
 
     @contextmanager
@@ -504,7 +579,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
         self._held = None
-        ops.stop_holding(self)
+        submission.stop_holding(self)
         self._group_ready.clear()
         self._synchronized = False
         for p in self._delay:
@@ -517,9 +592,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 # step() as wrapped keeps the hooks from running twice, once around it and once inside it. They
 # run once, around the update, where the gradients are the averaged ones.
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
-
-# A gradient held until its steady-state batch is complete (see _batches_now).
-_HELD = "held"
 # Gradients of this many elements or more are submitted at once, even in the steady state.
 _HOLD_BELOW = 1 << 17
 
@@ -564,19 +636,19 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
         self._delay = {p: backward_passes_per_step for p in self._requires_update}
-        self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._handles: dict[torch.Tensor, _Pending] = {}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._requires_update
         ]
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         pending = self._handles.get(p)
-        if pending is not None and pending[0] is not None and self._delay[p] <= 0:
+        if pending is not None and pending is not _UNSUBMITTED and self._delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
         self._delay[p] -= 1
-        self._handles[p] = self._submit_delta(p) if self._delay[p] == 0 else (None, None)
+        self._handles[p] = self._submit_delta(p) if self._delay[p] == 0 else _UNSUBMITTED
 
-    def _submit_delta(self, p: torch.Tensor) -> tuple[Any, Any]:
+    def _submit_delta(self, p: torch.Tensor) -> _Reduction:
         """Step ``p`` alone on this rank's gradient; submit the change; put ``p`` back."""
         with torch.no_grad():
             start = p.detach().clone()
@@ -585,7 +657,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             p.copy_(start)
         compressed, ctx = self._compression.compress(delta)
         handle = ops.allreduce_async_(compressed, name=self._parameter_names[p], op=ReduceOp.ADASUM)
-        return handle, ctx
+        return _Reduction(handle, ctx, compressed, False)
 
     _step_only = _step_only
 
@@ -607,11 +679,13 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         # a delta, so that every rank submits the same names.
         for p in self._requires_update:
             pending = self._handles.get(p)
-            if pending is None or pending[0] is None:
+            if pending is None or pending is _UNSUBMITTED:
                 self._handles[p] = self._submit_delta(p)
         with torch.no_grad():
-            for p, (handle, ctx) in self._handles.items():
-                delta = self._compression.decompress(ops.synchronize(handle), ctx)
+            for p, pending in self._handles.items():
+                assert isinstance(pending, _Reduction)
+                result = ops.synchronize(pending.handle)
+                delta = self._compression.decompress(result, pending.compression_ctx)
                 p.add_(delta.to(p.dtype))
                 self._delay[p] = self.backward_passes_per_step
         self._handles.clear()
@@ -632,16 +706,6 @@ def _global_step_hooks() -> bool:
         getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
         or getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
     )
-
-
-def _finished(handle: Any, ctx: Any, group_results: dict[int, list[torch.Tensor]]) -> bool:
-    """Whether a gradient's result is in, without waiting (sparse ones count as not in)."""
-    if ctx == "sparse":
-        return False
-    if isinstance(handle, tuple):
-        group_handle = handle[1]
-        return group_handle in group_results or bool(ops.poll(group_handle))
-    return bool(ops.poll(handle))
 
 
 def _elastic() -> bool:
@@ -758,7 +822,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     adasum = reduce_op == ReduceOp.ADASUM and basics.size() > 1
     if adasum:
         # Checked here, not at the first step: a job of 3 ranks fails at once.
-        ops.check_adasum(RequestType.ALLREDUCE, [], process_set)
+        submission.check_adasum(RequestType.ALLREDUCE, [], process_set)
     methods = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(methods.__dict__))
     # The methods call the wrapped optimizer's as super(cls, self): a subclass of the result

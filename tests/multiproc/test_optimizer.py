@@ -173,7 +173,7 @@ def test_options_keep_training_equivalent(
 
 def _lending_worker() -> dict[str, Any]:
     """Steady-state training whose gradients adopt views of the engine's buffers (see
-    hora.torch.ops.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
+    hora.common.submission.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
     zeroed in place, and with a caller that keeps every step's gradients."""
     import hora.torch as hvd
     from hora.common import basics

@@ -51,7 +51,7 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
-    from hora.torch.ops import RepeatedAllreduce
+    from hora.common.submission import RepeatedAllreduce
 
     static = hvd.ProcessSet(range(size - 1))
     hvd.init(process_sets=[static])

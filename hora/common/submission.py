@@ -1,0 +1,452 @@
+"""Submitting collectives to the engine: the part of every collective no framework changes.
+
+A framework adapter (``hora.torch`` today) turns its tensors into torch tensors on the engine's
+data plane (views where it can) and calls :func:`submit`: this module checks the process set,
+the tensors and the reduction, names the call as every rank will name it, builds one
+``Request`` per tensor and hands the entries to the engine atomically. The adapter gets an
+integer handle back (:func:`register`) and waits with :func:`wait` or asks :func:`poll`.
+
+What stays in an adapter: its own tensor type, autograd (or its framework's gradients),
+compression, and its public signatures.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from hora.common import adasum, basics
+from hora.common.engine import Entry, Handle, dtype_name
+from hora.common.errors import HoraInternalError, HoraValueError
+from hora.common.message import ReduceOp, Request, RequestType
+from hora.common.process_sets import ProcessSet
+
+# ---------------------------------------------------------------- holders
+
+
+class GradientHolder(Protocol):
+    """Something that holds tensors back before submitting them (``DistributedOptimizer``
+    holds a steady-state batch's small gradients until the batch is complete)."""
+
+    def release_held(self) -> None:
+        """Submit what this thread holds: it is about to wait for a result, which might be
+        in a batch that also waits for what it holds."""
+
+
+# Holders holding something now (see hold()). Weak: a holder that is gone holds nothing.
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def hold(holder: GradientHolder) -> None:
+    """Register ``holder`` while it holds tensors back: any wait for a result (:func:`wait`)
+    first asks every registered holder to release what it holds."""
+    _holders.add(holder)
+
+
+def stop_holding(holder: GradientHolder) -> None:
+    _holders.discard(holder)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def op_label(kind: RequestType) -> str:
+    """How error messages name a collective: ``Allreduce``, ``Broadcast``, ..."""
+    return kind.name.capitalize()
+
+
+def check_process_set(process_set: ProcessSet, kind: RequestType) -> int:
+    """The id of ``process_set``, which must be registered and include this rank."""
+    engine = basics.engine()
+    set_id = process_set.process_set_id
+    if set_id is None or not engine.process_sets.contains(set_id):
+        raise HoraValueError(
+            f"{op_label(kind)}: {process_set} is not registered. Pass it to "
+            "hvd.init(process_sets=[...]) or hvd.add_process_set(...) on every rank first."
+        )
+    if engine.rank not in engine.process_sets.members(set_id):
+        raise HoraValueError(
+            f"{op_label(kind)}: Rank {engine.rank} is not a member of the provided process set."
+        )
+    return set_id
+
+
+def set_size(process_set: ProcessSet) -> int:
+    """How many ranks ``process_set`` has (a registered set)."""
+    return len(basics.engine().process_sets.members(process_set.process_set_id or 0))
+
+
+def set_rank(process_set: ProcessSet) -> int:
+    """This rank's place in ``process_set`` (a registered set that includes it)."""
+    engine = basics.engine()
+    return engine.process_sets.members(process_set.process_set_id or 0).index(engine.rank)
+
+
+def resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
+    """The reduction a call asks for: ``op``, or the deprecated ``average``; Average by default."""
+    if op is not None and average is not None:
+        raise HoraValueError(
+            "The op parameter supersedes average. Please provide only one of them."
+        )
+    if average is not None:
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    if op is None:
+        return ReduceOp.AVERAGE
+    try:
+        return ReduceOp(int(op))
+    except (TypeError, ValueError):
+        raise HoraValueError(
+            f"{op_label(kind)}: unknown reduction op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, "
+            "hvd.Max or hvd.Product."
+        ) from None
+
+
+def check_reduction(
+    kind: RequestType,
+    tensors: Sequence[torch.Tensor],
+    reduce_op: ReduceOp,
+    process_set: ProcessSet | None = None,
+) -> None:
+    """Raise if hora cannot run ``reduce_op`` on these tensors (in ``process_set``, if given)."""
+    if reduce_op == ReduceOp.ADASUM:
+        check_adasum(kind, tensors, process_set)
+    if reduce_op == ReduceOp.AVERAGE and any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tensors
+    ):
+        raise HoraValueError(
+            f"{op_label(kind)}: Average is not defined for bool tensors; use op=hvd.Sum or "
+            "hvd.Max (logical or) or hvd.Min or hvd.Product (logical and)."
+        )
+
+
+def check_adasum(
+    kind: RequestType, tensors: Sequence[torch.Tensor], process_set: ProcessSet | None
+) -> None:
+    """Adasum's constraints, as Horovod states them (NotImplementedError is a RuntimeError)."""
+    if kind != RequestType.ALLREDUCE:
+        raise HoraValueError(
+            f"{op_label(kind)} currently only supports AVERAGE and SUM; op=hvd.Adasum is for "
+            "allreduce, grouped_allreduce and DistributedOptimizer."
+        )
+    if process_set is not None and process_set.process_set_id not in (None, 0):
+        raise NotImplementedError(
+            "Adasum does not support non-global process sets yet: use op=hvd.Adasum on the "
+            "global process set, or op=hvd.Average within a process set."
+        )
+    size = basics.size()
+    if not adasum.is_power_of_two(size):
+        raise NotImplementedError(
+            f"Running Adasum with non-power of 2 ranks is not supported yet: this job has {size} "
+            "ranks. Run 1, 2, 4, 8, ... ranks, or use op=hvd.Average."
+        )
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            raise HoraValueError(
+                f"Adasum combines floating-point tensors only (float16, bfloat16, float32, "
+                f"float64), not {tensor.dtype}; use op=hvd.Sum or hvd.Average for it."
+            )
+
+
+def _check_tensor(tensor: Any, kind: RequestType) -> str:
+    """The engine's name of the tensor's dtype, once the tensor is one the engine can take."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op_label(kind)} expects a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.is_sparse:
+        raise HoraValueError(
+            f"{op_label(kind)} does not take sparse tensors; use sparse_allreduce_async or "
+            "convert with tensor.to_dense()."
+        )
+    if not tensor.is_contiguous():
+        raise HoraValueError("Tensor is required to be contiguous.")
+    name = dtype_name(tensor.dtype)
+    if name is None:
+        raise HoraValueError(f"Tensor type {tensor.dtype} is not supported.")
+    return name
+
+
+# ---------------------------------------------------------------- requests
+
+
+_PREFIXES = {kind: kind.name.lower() for kind in RequestType}
+
+
+def _device(tensor: torch.Tensor) -> str:
+    return "cpu" if tensor.is_cpu else tensor.device.type
+
+
+def describe(
+    kind: RequestType,
+    name: str,
+    tensor: torch.Tensor,
+    set_id: int,
+    group: tuple[str, int] | None,
+    fields: dict[str, Any],
+) -> Request:
+    """Check one tensor and describe it to the engine."""
+    dtype = _check_tensor(tensor, kind)
+    return Request(
+        name=name,
+        kind=kind,
+        dtype=dtype,
+        shape=tuple(tensor.shape),
+        process_set_id=set_id,
+        device=_device(tensor),
+        group=group,
+        **fields,
+    )
+
+
+def submit(
+    kind: RequestType,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool = False,
+    **fields: Any,
+) -> Handle:
+    """Build one entry per tensor and hand them to the engine atomically.
+
+    The call is named ``<kind>.<name>`` (``grouped_<kind>.<name>_<i>of<n>`` for each tensor of
+    a grouped call), or ``<kind>.noname.<handle>`` without a name: every rank derives the same
+    names, which is how the engine matches calls across ranks. ``outputs`` holds, per tensor,
+    where its result goes (the tensor itself, in place; ``None``: a new tensor).
+    """
+    set_id = check_process_set(process_set, kind)
+    engine = basics.engine()
+    handle = engine.handle(len(tensors), kind, grouped)
+    prefix = f"grouped_{_PREFIXES[kind]}" if grouped else _PREFIXES[kind]
+    base = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle.id}"
+    count = len(tensors)
+    if grouped and len({t.device for t in tensors}) > 1:
+        raise HoraValueError("Tensors in list must be on same device.")
+    entries = []
+    for index, (tensor, output) in enumerate(zip(tensors, outputs)):
+        full = f"{base}_{index + 1}of{count}" if grouped else base
+        group = (base, count) if grouped else None
+        request = describe(kind, full, tensor, set_id, group, fields)
+        if tensor.is_cuda:
+            _engine_stream_waits_for_caller(tensor.device)
+        entries.append(Entry(request, tensor, output, handle, index))
+    engine.enqueue(entries)
+    return handle
+
+
+def submit_reduction(
+    kind: RequestType,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    name: str | None,
+    reduce_op: ReduceOp,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+    grouped: bool,
+) -> Handle:
+    """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
+    check_reduction(kind, tensors, reduce_op, process_set)
+    return submit(
+        kind,
+        tensors,
+        outputs,
+        name,
+        process_set,
+        grouped=grouped,
+        reduce_op=reduce_op,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
+
+
+class RepeatedAllreduce:
+    """An in-place allreduce submitted again and again under one name: a gradient's, every step.
+
+    ``submit(tensor)`` is ``allreduce_async_(tensor, name=name, ...)``, but the checks and the
+    request are made only when the tensor's dtype, shape or device (or the engine, after an
+    elastic reset) changes; otherwise a call only queues the tensor. ``DistributedOptimizer``'s
+    gradient hooks use it: they run on backward's critical path, once per parameter per step.
+
+    With ``lend=True`` the result may instead be a view of the engine's steady-state buffer,
+    with ``tensor`` left as it was: the caller adopts it (``tensor.set_(result)``), which saves
+    copying the result into ``tensor``. The engine writes that buffer again only once no
+    tensor refers to it.
+    """
+
+    __slots__ = ("_dtype", "_engine", "_fields", "_lend", "_name", "_process_set", "_request")
+
+    def __init__(
+        self,
+        name: str,
+        op: ReduceOp,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: ProcessSet,
+        lend: bool = False,
+    ) -> None:
+        check_reduction(RequestType.ALLREDUCE, [], op, process_set)
+        self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
+        self._lend = lend
+        self._process_set = process_set
+        self._fields: dict[str, Any] = {
+            "reduce_op": op,
+            "prescale": float(prescale_factor),
+            "postscale": float(postscale_factor),
+        }
+        self._request: Request | None = None
+        self._engine: Any = None
+        self._dtype: torch.dtype | None = None
+
+    @property
+    def name(self) -> str:
+        """The request's full name (as the engine and its schedule know it)."""
+        return self._name
+
+    def submit(self, tensor: torch.Tensor) -> int:
+        """Start reducing ``tensor`` in place; returns a handle, as ``allreduce_async_`` does."""
+        kind = RequestType.ALLREDUCE
+        engine = basics.engine()
+        request = self._request
+        if request is not None and request.process_set_id == 0 and engine is self._engine:
+            # The global set is there as long as its engine is; another set may have been
+            # removed, or removed and added again under another id, since the last call.
+            set_id = 0
+        else:
+            set_id = check_process_set(self._process_set, kind)
+        if (
+            request is None
+            or engine is not self._engine
+            or tensor.dtype is not self._dtype
+            or request.process_set_id != set_id
+            or request.shape != tensor.shape
+            or request.device != _device(tensor)
+            or not tensor.is_contiguous()
+        ):
+            check_reduction(kind, [tensor], self._fields["reduce_op"], self._process_set)
+            request = describe(kind, self._name, tensor, set_id, None, self._fields)
+            self._request, self._engine, self._dtype = request, engine, tensor.dtype
+        if tensor.is_cuda:
+            _engine_stream_waits_for_caller(tensor.device)
+        handle = engine.handle(1, kind)
+        engine.enqueue([Entry(request, tensor, tensor, handle, lend=self._lend)])
+        return register(handle)
+
+
+# ---------------------------------------------------------------- handles
+
+# The integer handles callers hold: the engine's handle and what turns its results into the
+# call's result (None: the usual shapes, see wait()).
+_handles: dict[int, tuple[Handle, Callable[[list[Any]], Any] | None]] = {}
+
+
+def register(handle: Handle, post: Callable[[list[Any]], Any] | None = None) -> int:
+    """The integer handle a caller keeps for ``handle`` (Horovod's handles are integers)."""
+    _handles[handle.id] = (handle, post)
+    return handle.id
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation behind ``handle`` has finished (never blocks)."""
+    entry = _handles.get(handle)
+    if entry is None:
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
+    # A steady-state batch done on the wire is only landed once someone asks for it: the
+    # handle tells its engine.
+    return entry[0].poll()
+
+
+def wait(handle: int) -> Any:
+    """Wait for the operation behind ``handle`` and return its result (``None`` for a handle
+    that was already waited for): a tensor, a list for grouped calls, ``(output,
+    received_splits)`` for alltoall.
+
+    Raises:
+        HoraInternalError: the operation failed (mismatch between ranks, lost peer, shutdown).
+    """
+    entry = _handles.pop(handle, None)
+    if entry is None:
+        return None
+    op_handle, post = entry
+    if _holders and not op_handle.done():
+        for holder in list(_holders):
+            holder.release_held()
+    try:
+        results = op_handle.wait()
+    except HoraInternalError:
+        raise
+    except RuntimeError as exc:
+        raise HoraInternalError(str(exc)) from exc
+    _caller_waits_for_engine_stream(results)
+    if post is not None:
+        return post(results)
+    if op_handle.kind == RequestType.ALLTOALL or not op_handle.grouped:
+        return results[0]
+    return list(results)
+
+
+def clear_handles() -> None:
+    """Forget every handle (at shutdown, and when an elastic reset starts a new engine)."""
+    _handles.clear()
+
+
+# ---------------------------------------------------------------- calls without tensors
+
+
+def _signal(kind: RequestType, name: str, set_id: int) -> Handle:
+    """Queue a call that carries no tensor (join, barrier)."""
+    engine = basics.engine()
+    handle = engine.handle(1, kind)
+    request = Request(name=name, kind=kind, dtype="uint8", process_set_id=set_id)
+    engine.enqueue([Entry(request, None, None, handle)])
+    return handle
+
+
+def join() -> int:
+    """Join; returns the global rank that joined last (see ``hvd.join``)."""
+    return int(_signal(RequestType.JOIN, "join.noname", 0).wait()[0])
+
+
+def barrier(process_set: ProcessSet) -> None:
+    """Block until every rank of ``process_set`` has called ``barrier``."""
+    set_id = check_process_set(process_set, RequestType.BARRIER)
+    _signal(RequestType.BARRIER, f"barrier.noname.{set_id}", set_id).wait()
+
+
+# ---------------------------------------------------------------- CUDA streams
+
+
+def _engine_stream_waits_for_caller(device: torch.device) -> None:
+    """Order the engine's reads of a CUDA tensor after the work queued to produce it.
+
+    The engine's threads copy CUDA tensors to host memory on the device's default stream. A
+    caller that queued the tensor's kernels on another stream (``torch.cuda.stream(s)``, as
+    some training loops and libraries do) would race with that copy, so the default stream
+    waits for the caller's stream here; the host does not wait.
+    """
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        default.wait_stream(current)
+
+
+def _caller_waits_for_engine_stream(results: Sequence[Any]) -> None:
+    """Order the caller's later work on a CUDA result after the engine's copy into it.
+
+    ``results`` holds one result per entry: a tensor, or a tuple of tensors (alltoall).
+    """
+    first = results[0] if results else None
+    if isinstance(first, tuple):
+        first = first[0]
+    if isinstance(first, torch.Tensor) and first.is_cuda:
+        current = torch.cuda.current_stream(first.device)
+        default = torch.cuda.default_stream(first.device)
+        if current != default:
+            current.wait_stream(default)
