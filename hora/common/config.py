@@ -1,8 +1,9 @@
 """Runtime settings, read once from ``HORA_*`` and ``HOROVOD_*`` environment variables.
 
-This module owns the names, defaults and parsing of every runtime variable. It knows nothing of
-the engine that uses them. For each setting the ``HORA_`` name wins over the ``HOROVOD_`` one, so a
-Horovod job script keeps working and a hora user can override it.
+The names, defaults, ranges and ``HOROVOD_*`` twins of the variables are declared in
+:mod:`hora.common.settings_table`; this module reads them. It knows nothing of the engine that
+uses them. For each setting the ``HORA_`` name wins over the ``HOROVOD_`` one, so a Horovod job
+script keeps working and a hora user can override it.
 """
 
 from __future__ import annotations
@@ -10,17 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
-DEFAULT_CYCLE_TIME_MS = 1.0
-DEFAULT_CACHE_CAPACITY = 1024
-DEFAULT_STALL_CHECK_TIME_S = 60.0
-# A stall this long ends the job: a rank that never submits a tensor the others wait for becomes
-# an error naming the tensor and the ranks, instead of a job that waits forever. Ten minutes, as
-# PyTorch's NCCL timeout: far beyond a slow step, shorter than a lost night on a cluster.
-DEFAULT_STALL_SHUTDOWN_TIME_S = 600.0
-DEFAULT_GLOO_TIMEOUT_S = 30.0
-DEFAULT_START_TIMEOUT_S = 30.0
+from hora.common import settings_table as table
+from hora.common.settings_table import Variable
+
+T = TypeVar("T")
 
 
 class SettingError(ValueError):
@@ -28,59 +24,53 @@ class SettingError(ValueError):
 
 
 def lookup(name: str, env: Mapping[str, str] | None = None) -> str | None:
-    """Return ``HORA_<name>`` or, failing that, ``HOROVOD_<name>`` (``None`` when neither is set)."""
+    """Return ``HORA_<name>`` or, failing that, ``HOROVOD_<name>`` (``None`` when neither is set).
+
+    A variable declared without a Horovod twin (``STEADY_STATE``, ``SECRET_KEY``, ...) is read
+    under its ``HORA_`` name only.
+    """
     source = os.environ if env is None else env
-    for prefix in ("HORA_", "HOROVOD_"):
+    declared = table.BY_NAME.get(name)
+    prefixes = (
+        ("HORA_",) if declared is not None and not declared.horovod else ("HORA_", "HOROVOD_")
+    )
+    for prefix in prefixes:
         value = source.get(prefix + name)
         if value is not None and value != "":
             return value
     return None
 
 
-def _float(name: str, default: float, env: Mapping[str, str] | None) -> float:
-    raw = lookup(name, env)
+def read(
+    variable: Variable[T], env: Mapping[str, str] | None = None, *, default: T | None = None
+) -> T:
+    """The value of ``variable`` (``HORA_`` then ``HOROVOD_``); when unset, ``default`` or, without
+    one, the variable's declared default.
+
+    Raises:
+        SettingError: the text cannot be parsed; the message names the variable and the value.
+    """
+    raw = lookup(variable.name, env)
     if raw is None:
-        return default
+        return variable.default if default is None else default
     try:
-        return float(raw)
+        return variable.kind.parse(raw)
     except ValueError:
         raise SettingError(
-            f"HORA_{name} (or HOROVOD_{name}) must be a number, got {raw!r}."
-        ) from None
-
-
-def _int(name: str, default: int, env: Mapping[str, str] | None) -> int:
-    raw = lookup(name, env)
-    if raw is None:
-        return default
-    try:
-        return int(float(raw))
-    except ValueError:
-        raise SettingError(
-            f"HORA_{name} (or HOROVOD_{name}) must be an integer, got {raw!r}."
+            f"{variable.names} must be {variable.kind.expected}, got {raw!r}."
         ) from None
 
 
 def flag(name: str, default: bool = False, env: Mapping[str, str] | None = None) -> bool:
     """An on/off variable: 1/0, true/false, yes/no, on/off (``HORA_`` then ``HOROVOD_``)."""
-    return _bool(name, default, env)
-
-
-def _bool(name: str, default: bool, env: Mapping[str, str] | None) -> bool:
     raw = lookup(name, env)
     if raw is None:
         return default
-    lowered = raw.strip().lower()
-    if lowered in ("true", "yes", "on"):
-        return True
-    if lowered in ("false", "no", "off"):
-        return False
     try:
-        return int(float(lowered)) > 0
+        return table.parse_bool(raw)
     except ValueError:
-        raise SettingError(
-            f"HORA_{name} (or HOROVOD_{name}) must be 0 or 1, got {raw!r}."
-        ) from None
+        names = table.BY_NAME[name].names if name in table.BY_NAME else f"HORA_{name}"
+        raise SettingError(f"{names} must be 0 or 1, got {raw!r}.") from None
 
 
 @dataclass(frozen=True)
@@ -94,7 +84,8 @@ class Settings:
         stall_check_enabled: whether the stall inspector runs.
         stall_check_time_s: warn when some ranks waited this long for others.
         stall_shutdown_time_s: shut the job down after a stall this long (0: never); by default
-            ``DEFAULT_STALL_SHUTDOWN_TIME_S``, or the check time if that is longer.
+            the declared default (``HORA_STALL_SHUTDOWN_TIME_SECONDS``), or the check time if
+            that is longer.
         gloo_timeout_s: how long one collective may wait for a peer.
         dynamic_process_sets: allow ``add_process_set`` after ``init``.
         disable_group_fusion: fuse the tensors of a group only with each other.
@@ -107,21 +98,21 @@ class Settings:
         autotune_steps_per_sample: measured steps per autotune candidate.
     """
 
-    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
-    cycle_time_ms: float = DEFAULT_CYCLE_TIME_MS
-    cache_capacity: int = DEFAULT_CACHE_CAPACITY
-    stall_check_enabled: bool = True
-    stall_check_time_s: float = DEFAULT_STALL_CHECK_TIME_S
-    stall_shutdown_time_s: float = DEFAULT_STALL_SHUTDOWN_TIME_S
-    gloo_timeout_s: float = DEFAULT_GLOO_TIMEOUT_S
-    dynamic_process_sets: bool = False
-    disable_group_fusion: bool = False
-    log_level: str = "WARNING"
-    steady_state: bool = True
-    autotune: bool = False
-    autotune_log: str | None = None
-    autotune_warmup_samples: int = 3
-    autotune_steps_per_sample: int = 10
+    fusion_threshold_bytes: int = table.FUSION_THRESHOLD.default
+    cycle_time_ms: float = table.CYCLE_TIME.default
+    cache_capacity: int = table.CACHE_CAPACITY.default
+    stall_check_enabled: bool = not table.STALL_CHECK_DISABLE.default
+    stall_check_time_s: float = table.STALL_CHECK_TIME_SECONDS.default
+    stall_shutdown_time_s: float = table.STALL_SHUTDOWN_TIME_SECONDS.default
+    gloo_timeout_s: float = table.GLOO_TIMEOUT_SECONDS.default
+    dynamic_process_sets: bool = table.DYNAMIC_PROCESS_SETS.default
+    disable_group_fusion: bool = table.DISABLE_GROUP_FUSION.default
+    log_level: str = table.LOG_LEVEL.default
+    steady_state: bool = table.STEADY_STATE.default
+    autotune: bool = table.AUTOTUNE.default
+    autotune_log: str | None = table.AUTOTUNE_LOG.default
+    autotune_warmup_samples: int = table.AUTOTUNE_WARMUP_SAMPLES.default
+    autotune_steps_per_sample: int = table.AUTOTUNE_STEPS_PER_SAMPLE.default
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -130,52 +121,61 @@ class Settings:
         Raises:
             SettingError: a variable is set to something that cannot be parsed or is out of range.
         """
-        check_time_s = _float("STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_TIME_S, env)
+        check_time_s = read(table.STALL_CHECK_TIME_SECONDS, env)
+        # A longer check time moves the default shutdown time with it (never below it).
+        shutdown_default = max(table.STALL_SHUTDOWN_TIME_SECONDS.default, check_time_s)
         settings = cls(
-            fusion_threshold_bytes=_int("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD_BYTES, env),
-            cycle_time_ms=_float("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS, env),
-            cache_capacity=_int("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY, env),
-            stall_check_enabled=not _bool("STALL_CHECK_DISABLE", False, env),
+            fusion_threshold_bytes=read(table.FUSION_THRESHOLD, env),
+            cycle_time_ms=read(table.CYCLE_TIME, env),
+            cache_capacity=read(table.CACHE_CAPACITY, env),
+            stall_check_enabled=not read(table.STALL_CHECK_DISABLE, env),
             stall_check_time_s=check_time_s,
-            stall_shutdown_time_s=_float(
-                "STALL_SHUTDOWN_TIME_SECONDS", max(DEFAULT_STALL_SHUTDOWN_TIME_S, check_time_s), env
+            stall_shutdown_time_s=read(
+                table.STALL_SHUTDOWN_TIME_SECONDS, env, default=shutdown_default
             ),
-            gloo_timeout_s=_float("GLOO_TIMEOUT_SECONDS", DEFAULT_GLOO_TIMEOUT_S, env),
-            dynamic_process_sets=_bool("DYNAMIC_PROCESS_SETS", False, env),
-            disable_group_fusion=_bool("DISABLE_GROUP_FUSION", False, env),
-            log_level=(lookup("LOG_LEVEL", env) or "WARNING").upper(),
-            steady_state=_bool("STEADY_STATE", True, env),
-            autotune=_bool("AUTOTUNE", False, env),
-            autotune_log=lookup("AUTOTUNE_LOG", env) or None,
-            autotune_warmup_samples=_int("AUTOTUNE_WARMUP_SAMPLES", 3, env),
-            autotune_steps_per_sample=_int("AUTOTUNE_STEPS_PER_SAMPLE", 10, env),
+            gloo_timeout_s=read(table.GLOO_TIMEOUT_SECONDS, env),
+            dynamic_process_sets=read(table.DYNAMIC_PROCESS_SETS, env),
+            disable_group_fusion=read(table.DISABLE_GROUP_FUSION, env),
+            log_level=read(table.LOG_LEVEL, env),
+            steady_state=read(table.STEADY_STATE, env),
+            autotune=read(table.AUTOTUNE, env),
+            autotune_log=read(table.AUTOTUNE_LOG, env),
+            autotune_warmup_samples=read(table.AUTOTUNE_WARMUP_SAMPLES, env),
+            autotune_steps_per_sample=read(table.AUTOTUNE_STEPS_PER_SAMPLE, env),
         )
         settings.validate()
         return settings
 
     def validate(self) -> None:
-        """Raise :class:`SettingError` for values out of range."""
-        if self.autotune_warmup_samples < 0:
-            raise SettingError("HORA_AUTOTUNE_WARMUP_SAMPLES must be >= 0 steps.")
-        if self.autotune_steps_per_sample < 1:
-            raise SettingError("HORA_AUTOTUNE_STEPS_PER_SAMPLE must be >= 1 step.")
-        if self.fusion_threshold_bytes < 0:
-            raise SettingError("HORA_FUSION_THRESHOLD must be >= 0 bytes (0 turns fusion off).")
-        if self.cycle_time_ms < 0:
-            raise SettingError("HORA_CYCLE_TIME must be >= 0 milliseconds.")
-        if self.cache_capacity < 0:
-            raise SettingError("HORA_CACHE_CAPACITY must be >= 0 (0 turns the cache off).")
-        if self.stall_check_time_s <= 0:
-            raise SettingError("HORA_STALL_CHECK_TIME_SECONDS must be > 0.")
-        if self.gloo_timeout_s <= 0:
-            raise SettingError("HORA_GLOO_TIMEOUT_SECONDS must be > 0.")
-        if self.log_level not in ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"):
-            raise SettingError(
-                f"HORA_LOG_LEVEL must be one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL; "
-                f"got {self.log_level!r}."
-            )
+        """Raise :class:`SettingError` for values out of range (the variables' declared bounds
+        and choices)."""
+        for field, variable in SETTINGS_VARIABLES.items():
+            problem = variable.problem(getattr(self, field))
+            if problem is not None:
+                raise SettingError(problem)
+
+
+# The variable each field of :class:`Settings` is read from (``stall_check_enabled`` is the
+# negation of ``HORA_STALL_CHECK_DISABLE``).
+SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
+    "fusion_threshold_bytes": table.FUSION_THRESHOLD,
+    "cycle_time_ms": table.CYCLE_TIME,
+    "cache_capacity": table.CACHE_CAPACITY,
+    "stall_check_enabled": table.STALL_CHECK_DISABLE,
+    "stall_check_time_s": table.STALL_CHECK_TIME_SECONDS,
+    "stall_shutdown_time_s": table.STALL_SHUTDOWN_TIME_SECONDS,
+    "gloo_timeout_s": table.GLOO_TIMEOUT_SECONDS,
+    "dynamic_process_sets": table.DYNAMIC_PROCESS_SETS,
+    "disable_group_fusion": table.DISABLE_GROUP_FUSION,
+    "log_level": table.LOG_LEVEL,
+    "steady_state": table.STEADY_STATE,
+    "autotune": table.AUTOTUNE,
+    "autotune_log": table.AUTOTUNE_LOG,
+    "autotune_warmup_samples": table.AUTOTUNE_WARMUP_SAMPLES,
+    "autotune_steps_per_sample": table.AUTOTUNE_STEPS_PER_SAMPLE,
+}
 
 
 def start_timeout_s(env: Mapping[str, str] | None = None) -> float:
     """How long a worker may take to reach the job's store (``HORA_START_TIMEOUT``)."""
-    return _float("START_TIMEOUT", DEFAULT_START_TIMEOUT_S, env)
+    return read(table.START_TIMEOUT, env)

@@ -38,17 +38,18 @@ from dataclasses import asdict, dataclass, field
 
 from hora.common.config import lookup
 from hora.common.rendezvous import StoreClient
+from hora.common.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
 from hora.common.topology import Topology
 
 logger = logging.getLogger("hora")
 
 # Set to "1" in every worker an elastic horarun starts.
-ELASTIC_VAR = "HORA_ELASTIC"
+ELASTIC_VAR = ELASTIC.env
 # The worker's stable name in the job, "host:slot" (slot: its index among the host's slots).
-WORKER_ID_VAR = "HORA_ELASTIC_ID"
+WORKER_ID_VAR = ELASTIC_ID.env
 # How long a worker waits for a round that includes it, and for that round's other workers.
-TIMEOUT_VAR = "ELASTIC_TIMEOUT"  # read as HORA_ELASTIC_TIMEOUT or HOROVOD_ELASTIC_TIMEOUT
-DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_VAR = ELASTIC_TIMEOUT.name  # read as HORA_ELASTIC_TIMEOUT or HOROVOD_ELASTIC_TIMEOUT
+DEFAULT_TIMEOUT_S = ELASTIC_TIMEOUT.default
 
 ROUND_KEY = "elastic/round"
 UPDATES_KEY = "elastic/hosts-updated"

@@ -1,0 +1,399 @@
+"""Every ``HORA_*`` environment variable hora reads, declared once.
+
+Each :class:`Variable` holds one variable's facts: its name, whether a ``HOROVOD_*`` twin is
+read too, how its value is parsed, its default, the range it must lie in, and the sentence that
+describes it in docs/environment.md. The readers (:mod:`hora.common.config`), ``horarun``'s flags
+(:mod:`hora.runner.flags`, which name the variable each flag sets) and the generated tables of
+docs/environment.md (``python -m hora.tools.docs_tables``) all take these facts from here.
+
+Pure data: this module imports nothing of hora, and no third-party package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+T = TypeVar("T")
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+def parse_bool(raw: str) -> bool:
+    """``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case); a number > 0 is
+    true. Raises ValueError for anything else."""
+    lowered = raw.strip().lower()
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    return int(float(lowered)) > 0
+
+
+def parse_int(raw: str) -> int:
+    """A whole number, also written as a float (``1e6``). Raises ValueError for anything else."""
+    return int(float(raw))
+
+
+@dataclass(frozen=True)
+class Kind(Generic[T]):
+    """How a variable's text becomes a value.
+
+    Attributes:
+        expected: what the text must be, for error messages (``an integer``).
+        parse: text to value; raises ValueError for text it cannot use.
+    """
+
+    expected: str
+    parse: Callable[[str], T]
+
+
+INTEGER: Kind[int] = Kind("an integer", parse_int)
+NUMBER: Kind[float] = Kind("a number", float)
+BOOLEAN: Kind[bool] = Kind("0 or 1", parse_bool)
+TEXT: Kind[str] = Kind("text", str)
+LEVEL: Kind[str] = Kind("a log level", str.upper)
+OPTIONAL_TEXT: Kind[str | None] = Kind("text", str)
+OPTIONAL_INTEGER: Kind[int | None] = Kind("an integer", parse_int)
+OPTIONAL_BOOLEAN: Kind[bool | None] = Kind("0 or 1", parse_bool)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range a number must lie in: ``low <= value`` (``low < value`` when ``low_open``) and
+    ``value <= high``; ``None`` leaves that side open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def allows(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        """``>= 0``, ``> 0``, ``<= 9``, or ``between 0 and 1``."""
+        if self.low is not None and self.high is not None and not self.low_open:
+            return f"between {self.low:g} and {self.high:g}"
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"<= {self.high:g}")
+        return " and ".join(parts)
+
+
+NON_NEGATIVE = Bounds(low=0)
+POSITIVE = Bounds(low=0, low_open=True)
+AT_LEAST_ONE = Bounds(low=1)
+
+# Which table of docs/environment.md lists a variable; ``None``: none does (another variable's
+# row names it as also read).
+Table = Literal["settings", "launcher", "elastic", None]
+
+
+@dataclass(frozen=True)
+class Variable(Generic[T]):
+    """One environment variable: ``HORA_<name>``, and ``HOROVOD_<name>`` when ``horovod``.
+
+    Attributes:
+        name: the name without its prefix (``FUSION_THRESHOLD``).
+        kind: how the text is parsed.
+        default: the value when neither name is set (``None``: unset).
+        meaning: what it does, one or more sentences (docs/environment.md's "Meaning").
+        horovod: whether ``HOROVOD_<name>`` is read when ``HORA_<name>`` is not set.
+        bounds: the range the value must lie in, if any.
+        choices: the values allowed, if only some are.
+        unit: the unit of a number, for messages (``bytes``).
+        default_doc: the default as docs/environment.md shows it, when the value alone does not
+            say it well (``unset: detected``).
+        also_read: other variables read for the same setting, named in the docs.
+        table: which table of docs/environment.md lists it (``None``: only named as also read).
+    """
+
+    name: str
+    kind: Kind[T]
+    default: T
+    meaning: str
+    horovod: bool = True
+    bounds: Bounds | None = None
+    choices: tuple[str, ...] = ()
+    unit: str = ""
+    default_doc: str = ""
+    also_read: tuple[str, ...] = ()
+    table: Table = "settings"
+
+    @property
+    def env(self) -> str:
+        """The ``HORA_`` name."""
+        return "HORA_" + self.name
+
+    @property
+    def horovod_env(self) -> str | None:
+        """The ``HOROVOD_`` twin, or ``None`` when there is none."""
+        return "HOROVOD_" + self.name if self.horovod else None
+
+    @property
+    def names(self) -> str:
+        """``HORA_X (or HOROVOD_X)``, for messages."""
+        twin = self.horovod_env
+        return f"{self.env} (or {twin})" if twin else self.env
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is out of range or not allowed, or ``None`` when it is fine."""
+        if self.choices and value not in self.choices:
+            return f"{self.env} must be one of {', '.join(self.choices)}; got {value!r}."
+        if self.bounds is not None and not self.bounds.allows(value):
+            unit = f" {self.unit}" if self.unit else ""
+            return f"{self.env} must be {self.bounds.describe()}{unit}, got {value!r}."
+        return None
+
+
+_PROFILING = "[docs/profiling.md](profiling.md)"
+
+# ---------------------------------------------------------------- engine and worker settings
+
+FUSION_THRESHOLD = Variable(
+    "FUSION_THRESHOLD", INTEGER, 128 * 1024 * 1024,
+    "Largest fused allreduce buffer, in bytes. `0` turns fusion off.",
+    bounds=NON_NEGATIVE, unit="bytes", default_doc="`134217728` (128 MiB)",
+)  # fmt: skip
+CYCLE_TIME = Variable(
+    "CYCLE_TIME", NUMBER, 1.0,
+    "Negotiation cycle time, in ms. A rank with nothing new waits up to this long before it "
+    "joins the next cycle. A rank with new work starts a cycle at once.",
+    bounds=NON_NEGATIVE, unit="milliseconds",
+)  # fmt: skip
+CACHE_CAPACITY = Variable(
+    "CACHE_CAPACITY", INTEGER, 1024,
+    "Response cache entries: how many repeated ops travel as one bit each. `0` turns the cache "
+    "off.",
+    bounds=NON_NEGATIVE, unit="entries",
+)  # fmt: skip
+STALL_CHECK_DISABLE = Variable(
+    "STALL_CHECK_DISABLE", BOOLEAN, False, "`1` turns off the stall inspector."
+)
+STALL_CHECK_TIME_SECONDS = Variable(
+    "STALL_CHECK_TIME_SECONDS", NUMBER, 60.0,
+    "Warn when some ranks have waited this long for others to submit a tensor.",
+    bounds=POSITIVE, unit="seconds",
+)  # fmt: skip
+# A stall this long ends the job: a rank that never submits a tensor the others wait for becomes
+# an error naming the tensor and the ranks, instead of a job that waits forever. Ten minutes, as
+# PyTorch's NCCL timeout: far beyond a slow step, shorter than a lost night on a cluster.
+STALL_SHUTDOWN_TIME_SECONDS = Variable(
+    "STALL_SHUTDOWN_TIME_SECONDS", NUMBER, 600.0,
+    "End the job after a stall this long, with an error that names the tensors and the missing "
+    "ranks. `0` means never (Horovod's default). A value below the check time is ignored, with "
+    "a warning.",
+)  # fmt: skip
+GLOO_TIMEOUT_SECONDS = Variable(
+    "GLOO_TIMEOUT_SECONDS", NUMBER, 30.0,
+    "How long ranks wait for each other to connect in `hvd.init()`, and how long one collective "
+    "may wait for a peer that has started it too. Waiting for a rank busy elsewhere has no such "
+    "limit.",
+    bounds=POSITIVE, unit="seconds",
+)  # fmt: skip
+DYNAMIC_PROCESS_SETS = Variable(
+    "DYNAMIC_PROCESS_SETS", BOOLEAN, False,
+    "`1` allows `add_process_set`/`remove_process_set` after `init()`.",
+)  # fmt: skip
+TIMELINE = Variable(
+    "TIMELINE", OPTIONAL_TEXT, None,
+    "Write a timeline: rank 0 to this file, rank r to `FILE.rank<r>`, merged into the file at a "
+    f"normal end. See {_PROFILING}.",
+)  # fmt: skip
+TIMELINE_MARK_CYCLES = Variable(
+    "TIMELINE_MARK_CYCLES", BOOLEAN, False, "`1` marks every negotiation cycle in the timeline."
+)
+AUTOTUNE = Variable(
+    "AUTOTUNE", BOOLEAN, False,
+    "`1` tries batch sizes for the steady state online and keeps the fastest; see "
+    "[docs/profiling.md](profiling.md#autotune).",
+)  # fmt: skip
+AUTOTUNE_LOG = Variable(
+    "AUTOTUNE_LOG", OPTIONAL_TEXT, None, "Rank 0 logs every autotune trial to this CSV file."
+)
+AUTOTUNE_WARMUP_SAMPLES = Variable(
+    "AUTOTUNE_WARMUP_SAMPLES", INTEGER, 3,
+    "Steps after each autotune change that are not measured.",
+    bounds=NON_NEGATIVE, unit="steps",
+)  # fmt: skip
+AUTOTUNE_STEPS_PER_SAMPLE = Variable(
+    "AUTOTUNE_STEPS_PER_SAMPLE", INTEGER, 10, "Measured steps per tried setting.",
+    bounds=AT_LEAST_ONE, unit="steps",
+)  # fmt: skip
+STEADY_STATE = Variable(
+    "STEADY_STATE", BOOLEAN, True,
+    "Replay a repeating sequence of allreduces (a training step) without negotiating each one; "
+    "a deviation falls back to negotiation. `0` negotiates every op. See "
+    "[docs/engine.md](engine.md#the-steady-state-replaying-a-training-step).",
+    horovod=False,
+)  # fmt: skip
+DISABLE_GROUP_FUSION = Variable(
+    "DISABLE_GROUP_FUSION", BOOLEAN, False,
+    "`1` fuses the tensors of a grouped op only with each other.",
+)  # fmt: skip
+LOG_LEVEL = Variable(
+    "LOG_LEVEL", LEVEL, "WARNING",
+    "`TRACE`, `DEBUG`, `INFO`, `WARNING`, `ERROR` or `FATAL`. hora logs to stderr as "
+    "`[time LEVEL hora rank N] message`.",
+    choices=LOG_LEVELS,
+)  # fmt: skip
+LOG_HIDE_TIME = Variable(
+    "LOG_HIDE_TIME", BOOLEAN, False, "`1` leaves the timestamp out of hora's log lines."
+)
+GLOO_IFACE = Variable(
+    "GLOO_IFACE", OPTIONAL_TEXT, None,
+    "Network interface for Gloo's connections, e.g. `eth1`. When unset and every rank runs on "
+    "this host, Gloo uses loopback (`127.0.0.1`); in a multi-host job `horarun` gives each worker "
+    "the interface through which its host reaches the launcher (or the one named by "
+    "`--network-interface`).",
+    also_read=("GLOO_SOCKET_IFNAME",),
+)  # fmt: skip
+START_TIMEOUT = Variable(
+    "START_TIMEOUT", NUMBER, 30.0,
+    "Seconds a worker (`hvd.init()`, or a `hora.run` worker fetching its function) may take to "
+    "reach the job's rendezvous store.",
+)  # fmt: skip
+LAUNCHER = Variable(
+    "LAUNCHER", OPTIONAL_TEXT, None,
+    "Which launcher's variables `hvd.init()` reads: `horarun`, `torchrun`, `mpi`, `slurm`, `env` "
+    "or `none`. Set it only when one launcher starts another on purpose and hora's choice is "
+    "wrong; see [docs/deployment.md](deployment.md#when-launchers-disagree).",
+    default_doc="unset: detected",
+)  # fmt: skip
+MPI4PY = Variable(
+    "MPI4PY", BOOLEAN, True,
+    "Under `mpirun`/`mpiexec`, `0` stops rank 0 from sending the store's address and a fresh "
+    "secret with mpi4py.",
+)  # fmt: skip
+
+# ---------------------------------------------------------------- set by the launcher
+
+
+def _launcher(
+    name: str,
+    meaning: str,
+    default_doc: str,
+    also_read: tuple[str, ...] = (),
+    kind: Kind[Any] = OPTIONAL_INTEGER,
+) -> Variable[Any]:
+    return Variable(
+        name,
+        kind,
+        None,
+        meaning,
+        default_doc=default_doc,
+        also_read=also_read,
+        table="launcher",
+    )
+
+
+RANK = _launcher(
+    "RANK",
+    "Global rank. When it is set, `HORA_SIZE` must be set too.",
+    "unset: a job of one",
+)
+SIZE = _launcher("SIZE", "Number of processes.", "`1`")
+LOCAL_RANK = _launcher("LOCAL_RANK", "Rank on this host.", "`0`")
+LOCAL_SIZE = _launcher("LOCAL_SIZE", "Processes on this host.", "`HORA_SIZE`")
+CROSS_RANK = _launcher(
+    "CROSS_RANK", "Index of this host among the hosts that have this local rank.", "`0`"
+)
+CROSS_SIZE = _launcher("CROSS_SIZE", "Number of such hosts.", "`1`")
+HOSTNAME = _launcher(
+    "HOSTNAME", "This host's name, as used in error messages.", "`socket.gethostname()`", (),
+    OPTIONAL_TEXT,
+)  # fmt: skip
+RENDEZVOUS_ADDR = _launcher(
+    "RENDEZVOUS_ADDR",
+    "Address of the job's key-value store. Required when the size is above 1.",
+    "unset",
+    ("HORA_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+    OPTIONAL_TEXT,
+)
+RENDEZVOUS_PORT = _launcher(
+    "RENDEZVOUS_PORT",
+    "Its port.",
+    "unset",
+    ("HORA_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT"),
+)
+# Read after the two above, as their rows in docs/environment.md say.
+GLOO_RENDEZVOUS_ADDR = Variable(
+    "GLOO_RENDEZVOUS_ADDR", OPTIONAL_TEXT, None, "Read when `HORA_RENDEZVOUS_ADDR` is not set.",
+    table=None,
+)  # fmt: skip
+GLOO_RENDEZVOUS_PORT = Variable(
+    "GLOO_RENDEZVOUS_PORT", OPTIONAL_TEXT, None, "Read when `HORA_RENDEZVOUS_PORT` is not set.",
+    table=None,
+)  # fmt: skip
+SECRET_KEY = Variable(
+    "SECRET_KEY", OPTIONAL_TEXT, None,
+    "The job's secret (hex), which authenticates everything exchanged through the store. Under "
+    "`srun`, `torchrun`, or MPI without mpi4py, export it yourself (the same value on every "
+    "rank), or the store is not authenticated. See [docs/security.md](security.md).",
+    horovod=False, table="launcher",
+)  # fmt: skip
+
+# ---------------------------------------------------------------- elastic jobs
+
+ELASTIC = Variable(
+    "ELASTIC", OPTIONAL_BOOLEAN, None,
+    "`1`: `hvd.init()` joins the newest round of an elastic job.",
+    horovod=False, table="elastic",
+)  # fmt: skip
+ELASTIC_ID = Variable(
+    "ELASTIC_ID", OPTIONAL_TEXT, None, "The worker's stable name in the job, `host:slot`.",
+    horovod=False, table="elastic",
+)  # fmt: skip
+ELASTIC_TIMEOUT = Variable(
+    "ELASTIC_TIMEOUT", NUMBER, 600.0,
+    "Seconds a worker waits for a round that includes it, and for the round's other workers. "
+    "`horarun` sets it to `--elastic-timeout` plus 10.",
+    bounds=POSITIVE, unit="seconds", table="elastic",
+)  # fmt: skip
+
+VARIABLES: tuple[Variable[Any], ...] = (
+    FUSION_THRESHOLD,
+    CYCLE_TIME,
+    CACHE_CAPACITY,
+    STALL_CHECK_DISABLE,
+    STALL_CHECK_TIME_SECONDS,
+    STALL_SHUTDOWN_TIME_SECONDS,
+    GLOO_TIMEOUT_SECONDS,
+    DYNAMIC_PROCESS_SETS,
+    TIMELINE,
+    TIMELINE_MARK_CYCLES,
+    AUTOTUNE,
+    AUTOTUNE_LOG,
+    AUTOTUNE_WARMUP_SAMPLES,
+    AUTOTUNE_STEPS_PER_SAMPLE,
+    STEADY_STATE,
+    DISABLE_GROUP_FUSION,
+    LOG_LEVEL,
+    LOG_HIDE_TIME,
+    GLOO_IFACE,
+    START_TIMEOUT,
+    LAUNCHER,
+    MPI4PY,
+    RANK,
+    SIZE,
+    LOCAL_RANK,
+    LOCAL_SIZE,
+    CROSS_RANK,
+    CROSS_SIZE,
+    HOSTNAME,
+    RENDEZVOUS_ADDR,
+    RENDEZVOUS_PORT,
+    GLOO_RENDEZVOUS_ADDR,
+    GLOO_RENDEZVOUS_PORT,
+    SECRET_KEY,
+    ELASTIC,
+    ELASTIC_ID,
+    ELASTIC_TIMEOUT,
+)
+
+BY_NAME: dict[str, Variable[Any]] = {variable.name: variable for variable in VARIABLES}
