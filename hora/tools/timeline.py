@@ -175,47 +175,78 @@ def load(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Tim
     row_names: dict[tuple[int, int], str] = {}
     for file in files:
         raw_events, closed, dropped_tail = _read_array(file)
-        ranks: set[int] = set()
-        skipped = 0
-        # Only an event an earlier file already had is a duplicate (a merged file next to a
-        # part left behind); within one file, two equal events are two events.
-        keys: set[tuple[Any, ...]] = set()
-        for raw in raw_events:
-            event = _event(raw)
-            if event is None:
-                skipped += 1
-                continue
-            ranks.add(event.rank)
-            key = _identity(event)
-            if key in seen:
-                continue
-            keys.add(key)
-            if event.ph == "M" and event.name == "thread_name":
-                label = event.args.get("name")
-                if isinstance(label, str):
-                    row_names[(event.rank, event.tid)] = label
-            events.append(event)
-        seen |= keys
+        ranks, skipped = _add_events(raw_events, events, seen, row_names)
         sources.append(
             SourceFile(str(file), len(raw_events), closed, dropped_tail, tuple(sorted(ranks)))
         )
-        if not closed:
-            what = "was cut short" if raw_events else "is empty"
-            warnings.append(
-                f"'{file}' {what} (no closing ']': its process was probably killed); "
-                f"read {len(raw_events)} events"
-                + (", ignoring a half-written last line." if dropped_tail else ".")
-            )
-        if skipped:
-            warnings.append(f"'{file}': ignored {skipped} entries that are not trace events.")
+        warnings += _file_warnings(file, len(raw_events), closed, dropped_tail, skipped)
     events.sort(key=lambda e: (e.rank, e.ts, -e.dur))
+    warnings += _missing_rank_warnings(events)
+    return Timeline(sources, events, row_names, warnings)
+
+
+def _add_events(
+    raw_events: list[Any],
+    events: list[Event],
+    seen: set[tuple[Any, ...]],
+    row_names: dict[tuple[int, int], str],
+) -> tuple[set[int], int]:
+    """Add one file's entries to ``events``; returns the ranks they belong to and the skips.
+
+    Entries that are not trace events are skipped and counted. Only an event an earlier file
+    already had (its identity is in ``seen``) is a duplicate and dropped: a merged file next to
+    a part left behind. Within one file, two equal events are two events, so this file's
+    identities join ``seen`` only at the end. ``thread_name`` metadata also names its row in
+    ``row_names``.
+    """
+    ranks: set[int] = set()
+    skipped = 0
+    keys: set[tuple[Any, ...]] = set()
+    for raw in raw_events:
+        event = _event(raw)
+        if event is None:
+            skipped += 1
+            continue
+        ranks.add(event.rank)
+        key = _identity(event)
+        if key in seen:
+            continue
+        keys.add(key)
+        if event.ph == "M" and event.name == "thread_name":
+            label = event.args.get("name")
+            if isinstance(label, str):
+                row_names[(event.rank, event.tid)] = label
+        events.append(event)
+    seen |= keys
+    return ranks, skipped
+
+
+def _file_warnings(
+    file: Path, count: int, closed: bool, dropped_tail: bool, skipped: int
+) -> list[str]:
+    """What a reader should know about one file: cut short, or holding non-events."""
+    warnings: list[str] = []
+    if not closed:
+        what = "was cut short" if count else "is empty"
+        warnings.append(
+            f"'{file}' {what} (no closing ']': its process was probably killed); "
+            f"read {count} events"
+            + (", ignoring a half-written last line." if dropped_tail else ".")
+        )
+    if skipped:
+        warnings.append(f"'{file}': ignored {skipped} entries that are not trace events.")
+    return warnings
+
+
+def _missing_rank_warnings(events: list[Event]) -> list[str]:
+    """A warning naming the ranks below the highest one present that have no events."""
     present = {e.rank for e in events}
     if present:
         missing = sorted(set(range(max(present) + 1)) - present)
         if missing:
             listed = ", ".join(str(r) for r in missing)
-            warnings.append(f"no events for rank(s) {listed}; the summary leaves them out.")
-    return Timeline(sources, events, row_names, warnings)
+            return [f"no events for rank(s) {listed}; the summary leaves them out."]
+    return []
 
 
 def _files_to_read(
@@ -538,30 +569,48 @@ class _RankData:
     entries: int = 0
     exits: int = 0
 
+    def add_training(self, e: Event) -> None:
+        """A complete event on the training row; only steps and ``BACKWARD`` are kept."""
+        if e.name == OPTIMIZER_STEP:
+            self.steps.append(e.end)
+            self.optimizer_steps.append(e.dur)
+        elif e.name == BACKWARD:
+            self.backward.append((e.ts, e.end))
+
+    def add_steady_state(self, e: Event) -> None:
+        """A ``STEADY_STATE_ENTER`` or ``STEADY_STATE_LEAVE`` mark."""
+        if e.name == STEADY_STATE_ENTER:
+            self.entries += 1
+        else:
+            self.exits += 1
+
+    def add_tensor(self, e: Event, row_name: str) -> None:
+        """A complete event on the tensor row called ``row_name``.
+
+        A call's submit phase (``NEGOTIATE`` or ``WAIT_FOR_BATCH``) counts the call and records
+        when it was submitted; ``QUEUE`` counts for neither; everything else (the collective, the
+        fusion-buffer copies) is communication.
+        """
+        if e.name in SUBMIT_PHASES:
+            self.submits[row_name].append(e.ts)
+            if e.name == NEGOTIATE:
+                self.negotiated += 1
+            else:
+                self.steady += 1
+        elif e.name not in WAIT_PHASES:
+            self.comm.append((e.ts, e.end))
+
 
 def _rank_data(timeline: Timeline, rank: int, events: list[Event]) -> _RankData:
+    """Sort one rank's events into what the summary needs."""
     data = _RankData()
     for e in events:
         if e.ph == "X" and e.tid == TRAINING_ROW:
-            if e.name == OPTIMIZER_STEP:
-                data.steps.append(e.end)
-                data.optimizer_steps.append(e.dur)
-            elif e.name == BACKWARD:
-                data.backward.append((e.ts, e.end))
+            data.add_training(e)
         elif e.ph in ("i", "I") and e.name in (STEADY_STATE_ENTER, STEADY_STATE_LEAVE):
-            if e.name == STEADY_STATE_ENTER:
-                data.entries += 1
-            else:
-                data.exits += 1
+            data.add_steady_state(e)
         elif e.ph == "X" and e.tid >= FIRST_TENSOR_ROW:
-            if e.name in SUBMIT_PHASES:
-                data.submits[timeline.row_name(rank, e.tid)].append(e.ts)
-                if e.name == NEGOTIATE:
-                    data.negotiated += 1
-                else:
-                    data.steady += 1
-            elif e.name not in WAIT_PHASES:
-                data.comm.append((e.ts, e.end))
+            data.add_tensor(e, timeline.row_name(rank, e.tid))
     data.steps.sort()
     data.backward = _union(data.backward)
     data.comm = _union(data.comm)

@@ -117,22 +117,7 @@ def plot(timeline: Timeline, out: str | os.PathLike[str], steps: int = 3) -> Plo
 
     window = choose_window(timeline, steps)
     ranks = timeline.ranks
-    # bars[(rank, lane)][color key] = [(start_ms, width_ms)]
-    bars: dict[tuple[int, str], dict[str, list[tuple[float, float]]]] = {}
-    for e in timeline.events:
-        if e.ph != "X" or e.end < window.start_us or e.ts > window.end_us:
-            continue
-        placed = _lane(e.name, e.tid)
-        if placed is None:
-            continue
-        lane, key = placed
-        start = max(e.ts, window.start_us)
-        end = min(e.end, window.end_us)
-        # A bar narrower than the line width still shows as a thin mark.
-        width = max(end - start, (window.end_us - window.start_us) * 1e-4)
-        row = bars.setdefault((e.rank, lane), {})
-        row.setdefault(key, []).append(((start - window.start_us) / 1000, width / 1000))
-
+    bars = _bars(timeline, window)
     rows = [(rank, lane) for rank in ranks for lane in LANES]
     figure = Figure(figsize=(12, 1.2 + 0.45 * len(rows)), layout="constrained")
     axes: Any = figure.subplots()
@@ -148,14 +133,7 @@ def plot(timeline: Timeline, out: str | os.PathLike[str], steps: int = 3) -> Plo
     axes.set_ylim(len(rows) - 0.5, -0.5)
     axes.set_xlim(0, (window.end_us - window.start_us) / 1000)
     axes.set_xlabel("ms")
-    if window.steps:
-        title = (
-            f"hora timeline: steps {window.first_step + 1} to {window.first_step + window.steps} "
-            f"(dotted lines: rank {min(ranks)}'s step ends)"
-        )
-    else:
-        title = "hora timeline: the whole run (no OPTIMIZER_STEP markers, so no steps)"
-    axes.set_title(title)
+    axes.set_title(_title(window, min(ranks)))
     used = {key for row in bars.values() for key in row}
     labels = {COLLECTIVE: "collective (ALLREDUCE, ...)"}
     legend = [Patch(color=COLORS[k], label=labels.get(k, k)) for k in COLORS if k in used]
@@ -163,6 +141,40 @@ def plot(timeline: Timeline, out: str | os.PathLike[str], steps: int = 3) -> Plo
         figure.legend(handles=legend, loc="outside lower center", ncols=min(len(legend), 4))
     figure.savefig(out, dpi=110)
     return window
+
+
+def _bars(
+    timeline: Timeline, window: PlotWindow
+) -> dict[tuple[int, str], dict[str, list[tuple[float, float]]]]:
+    """The bars to draw: ``bars[(rank, lane)][color key] = [(start_ms, width_ms)]``.
+
+    Events are clipped to the window; times are milliseconds from its left edge.
+    """
+    bars: dict[tuple[int, str], dict[str, list[tuple[float, float]]]] = {}
+    for e in timeline.events:
+        if e.ph != "X" or e.end < window.start_us or e.ts > window.end_us:
+            continue
+        placed = _lane(e.name, e.tid)
+        if placed is None:
+            continue
+        lane, key = placed
+        start = max(e.ts, window.start_us)
+        end = min(e.end, window.end_us)
+        # A bar narrower than the line width still shows as a thin mark.
+        width = max(end - start, (window.end_us - window.start_us) * 1e-4)
+        row = bars.setdefault((e.rank, lane), {})
+        row.setdefault(key, []).append(((start - window.start_us) / 1000, width / 1000))
+    return bars
+
+
+def _title(window: PlotWindow, rank: int) -> str:
+    """The plot's title: the steps drawn, whose ends (``rank``'s) are the dotted lines."""
+    if window.steps:
+        return (
+            f"hora timeline: steps {window.first_step + 1} to {window.first_step + window.steps} "
+            f"(dotted lines: rank {rank}'s step ends)"
+        )
+    return "hora timeline: the whole run (no OPTIMIZER_STEP markers, so no steps)"
 
 
 def _step_boundaries(timeline: Timeline, window: PlotWindow, rank: int) -> list[float]:
