@@ -121,44 +121,16 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         settings = Settings.from_env()
         if dynamic:
             settings = _replace(settings, dynamic_process_sets=True)
-        if elastic.active():
-            # An elastic horarun: the driver assigns ranks round by round, and each round
-            # keeps its keys under its own prefix, so every round's scopes start at 0.
-            _configure_logging(settings.log_level)
-            topology, store = elastic.join()
-            generation = 0
-        else:
-            topology = detect()
-            _configure_logging(settings.log_level)
-            # Under horarun the store is the launcher's; under other launchers rank 0 (or the
-            # launcher) hosts it and local/cross ranks may still need an exchange.
-            generation = _state.generation
-            topology, store = joining.join(topology, start_timeout_s(), generation)
+        topology, store, generation = _join_job(settings)
         # From here log lines name this rank (in an elastic job it changes from round to round).
         _state.topology = topology
-        member_lists: list[tuple[int, ...]] = []
-        for process_set in sets:
-            if not isinstance(process_set, ProcessSet):
-                raise ValueError(
-                    f"process_sets must hold hvd.ProcessSet objects, got {type(process_set)}."
-                )
-            bad = [r for r in process_set.ranks if r >= topology.size]
-            if bad:
-                raise ValueError(
-                    f"{process_set} names ranks {bad}, but the job has only {topology.size} "
-                    f"processes (ranks 0..{topology.size - 1})."
-                )
-            ranks = tuple(process_set.ranks)
-            if ranks in member_lists or ranks == tuple(range(topology.size)):
-                raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
-            member_lists.append(ranks)
         engine = Engine(
             topology,
             settings,
             store,
             _communicator_factory(topology, settings, store),
             generation=generation,
-            process_sets=member_lists,
+            process_sets=_member_lists(sets, topology.size),
         )
         path = lookup("TIMELINE")
         if path:
@@ -169,23 +141,72 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         _state.engine = engine
         _state.topology = topology
         _state.store = store
-        global_process_set.ranks = list(range(topology.size))
-        global_process_set._bind(0, topology.rank)
-        _state.process_sets = {0: global_process_set}
-        for set_id, process_set in enumerate(sets, start=1):
-            process_set._bind(set_id, topology.rank)
-            _state.process_sets[set_id] = process_set
-        if not _state.atexit_registered:
-            atexit.register(_shutdown_at_exit)
-            _previous_hook = sys.excepthook
-
-            def _record_uncaught(kind: Any, value: Any, tb: Any) -> None:
-                _state.exit_cause = f"{kind.__name__}: {value}"
-                _previous_hook(kind, value, tb)
-
-            sys.excepthook = _record_uncaught
-            _state.atexit_registered = True
+        _bind_process_sets(sets, topology)
+        _install_exit_hooks()
         logger.debug("initialized: %s", topology)
+
+
+def _join_job(settings: Settings) -> tuple[Topology, StoreClient, int]:
+    """Where this process runs, the job's store, and the generation of its keys."""
+    if elastic.active():
+        # An elastic horarun: the driver assigns ranks round by round, and each round
+        # keeps its keys under its own prefix, so every round's scopes start at 0.
+        _configure_logging(settings.log_level)
+        topology, store = elastic.join()
+        return topology, store, 0
+    topology = detect()
+    _configure_logging(settings.log_level)
+    # Under horarun the store is the launcher's; under other launchers rank 0 (or the
+    # launcher) hosts it and local/cross ranks may still need an exchange.
+    generation = _state.generation
+    topology, store = joining.join(topology, start_timeout_s(), generation)
+    return topology, store, generation
+
+
+def _member_lists(sets: list[ProcessSet], size: int) -> list[tuple[int, ...]]:
+    """The ranks of each process set passed to ``init``, checked."""
+    member_lists: list[tuple[int, ...]] = []
+    for process_set in sets:
+        if not isinstance(process_set, ProcessSet):
+            raise ValueError(
+                f"process_sets must hold hvd.ProcessSet objects, got {type(process_set)}."
+            )
+        bad = [r for r in process_set.ranks if r >= size]
+        if bad:
+            raise ValueError(
+                f"{process_set} names ranks {bad}, but the job has only {size} "
+                f"processes (ranks 0..{size - 1})."
+            )
+        ranks = tuple(process_set.ranks)
+        if ranks in member_lists or ranks == tuple(range(size)):
+            raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+        member_lists.append(ranks)
+    return member_lists
+
+
+def _bind_process_sets(sets: list[ProcessSet], topology: Topology) -> None:
+    """Give the global set and the sets passed to ``init`` their ids (in order, from 1)."""
+    global_process_set.ranks = list(range(topology.size))
+    global_process_set._bind(0, topology.rank)
+    _state.process_sets = {0: global_process_set}
+    for set_id, process_set in enumerate(sets, start=1):
+        process_set._bind(set_id, topology.rank)
+        _state.process_sets[set_id] = process_set
+
+
+def _install_exit_hooks() -> None:
+    """Once per process: shut down at exit, and remember an uncaught exception as the cause."""
+    if _state.atexit_registered:
+        return
+    atexit.register(_shutdown_at_exit)
+    previous_hook = sys.excepthook
+
+    def _record_uncaught(kind: Any, value: Any, tb: Any) -> None:
+        _state.exit_cause = f"{kind.__name__}: {value}"
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = _record_uncaught
+    _state.atexit_registered = True
 
 
 def _replace(settings: Settings, **changes: Any) -> Settings:

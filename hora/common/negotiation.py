@@ -345,6 +345,29 @@ def _disagreement(name: str, requests: dict[int, Request]) -> str | None:
         return _mismatch(
             name, "CPU/GPU device selection", requests, "Every rank must use the same device type."
         )
+    shapes = _shape_disagreement(name, requests)
+    if shapes is not None:
+        return shapes
+    if kind in ELEMENTWISE:
+        if len({r.reduce_op for r in reqs}) > 1:
+            return _mismatch(
+                name, "reduction operations", requests, "Every rank must use the same op."
+            )
+        if len({(r.prescale, r.postscale) for r in reqs}) > 1:
+            return _mismatch(
+                name,
+                "prescale and/or postscale factors",
+                requests,
+                "Every rank must pass the same prescale_factor and postscale_factor.",
+            )
+    return None
+
+
+def _shape_disagreement(name: str, requests: dict[int, Request]) -> str | None:
+    """Ranks that submitted different shapes (allgather and alltoall: different trailing
+    dimensions) under one name."""
+    reqs = list(requests.values())
+    kind = reqs[0].kind
     if kind in VARIABLE_FIRST_DIM:
         if any(len(r.shape) == 0 for r in reqs):
             return (
@@ -358,20 +381,9 @@ def _disagreement(name: str, requests: dict[int, Request]) -> str | None:
                 requests,
                 _SAME + f" ({kind.label} allows the first dimension to differ).",
             )
-    elif len({r.shape for r in reqs}) > 1:
+        return None
+    if len({r.shape for r in reqs}) > 1:
         return _mismatch(name, f"{kind.label} tensor shapes", requests, _SAME + ".")
-    if kind in ELEMENTWISE:
-        if len({r.reduce_op for r in reqs}) > 1:
-            return _mismatch(
-                name, "reduction operations", requests, "Every rank must use the same op."
-            )
-        if len({(r.prescale, r.postscale) for r in reqs}) > 1:
-            return _mismatch(
-                name,
-                "prescale and/or postscale factors",
-                requests,
-                "Every rank must pass the same prescale_factor and postscale_factor.",
-            )
     return None
 
 

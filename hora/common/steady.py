@@ -167,33 +167,40 @@ class History:
     def clear(self) -> None:
         self.responses.clear()
 
+    def _last_gap(self) -> int | None:
+        """How many responses back the last one's name was agreed before (None: never)."""
+        responses = self.responses
+        last = responses[-1].names[0]
+        for i in range(len(responses) - 2, -1, -1):
+            if responses[i].names[0] == last:
+                return len(responses) - 1 - i
+        return None
+
+    def _repeated(self, tail: list[Response], names: list[str]) -> bool:
+        """Whether ``tail`` (named ``names``) ends the history ``repeats`` times over."""
+        responses = self.responses
+        length = len(tail)
+        templates = [r.template() for r in tail]
+        for k in range(1, self.repeats):
+            earlier = responses[len(responses) - (k + 1) * length : len(responses) - k * length]
+            if [r.names[0] for r in earlier] != names:
+                return False
+            if [r.template() for r in earlier] != templates:
+                return False
+        return True
+
     def period(self) -> list[Response] | None:
         """The last period, if the history ends with it repeated ``repeats`` times."""
         responses = self.responses
         if not responses:
             return None
-        last = responses[-1].names[0]
-        start = None
-        for i in range(len(responses) - 2, -1, -1):
-            if responses[i].names[0] == last:
-                start = i
-                break
-        if start is None:
-            return None
-        length = len(responses) - 1 - start
-        if length * self.repeats > len(responses):
+        length = self._last_gap()
+        if length is None or length * self.repeats > len(responses):
             return None
         tail = responses[-length:]
         names = [r.names[0] for r in tail]
-        if len(set(names)) != length:
+        if len(set(names)) != length or not self._repeated(tail, names):
             return None
-        templates = [r.template() for r in tail]
-        for k in range(1, self.repeats):
-            earlier = responses[len(responses) - (k + 1) * length : len(responses) - k * length]
-            if [r.names[0] for r in earlier] != names:
-                return None
-            if [r.template() for r in earlier] != templates:
-                return None
         # The period before the repetitions (as much of it as the history holds) may hold only
         # the period's own names. Otherwise the repetition may be part of a step: where ranks
         # submit in varying orders, one step's last tensors can be agreed in the same order as

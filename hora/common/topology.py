@@ -271,24 +271,29 @@ def detect(
     except LauncherError as exc:
         raise TopologyError(str(exc)) from None
     if winner is not None and not forced:
-        for key, reader in READERS.items():
-            if key == "env" and winner.launcher == "torchrun":
-                continue  # the same variables
-            try:
-                other = reader(source, _never)
-            except LauncherError:
-                continue  # malformed leftovers of another launcher cannot be compared
-            if (
-                other is not None
-                and other.launcher != winner.launcher
-                and not _compatible(winner, other)
-            ):
-                raise _disagreement(winner, other)
+        _check_other_launchers(source, winner)
     if topology is None:
         _warn_unlaunched_slurm(source)
         topology = Topology(hostname=socket.gethostname())
     topology.validate()
     return topology
+
+
+def _check_other_launchers(source: Mapping[str, str], winner: Reading) -> None:
+    """Raise if another launcher's variables are present and disagree with ``winner``'s."""
+    for key, reader in READERS.items():
+        if key == "env" and winner.launcher == "torchrun":
+            continue  # the same variables
+        try:
+            other = reader(source, _never)
+        except LauncherError:
+            continue  # malformed leftovers of another launcher cannot be compared
+        if (
+            other is not None
+            and other.launcher != winner.launcher
+            and not _compatible(winner, other)
+        ):
+            raise _disagreement(winner, other)
 
 
 def _never(_launcher: str) -> bool:

@@ -156,6 +156,38 @@ def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
                 p.grad = zero.to_sparse() if sparse else zero
 
 
+def _match_roots_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give this rank state where the root has some, and none where the root has none."""
+    root_has_state = broadcast_object(
+        bool(optimizer.state_dict()["state"]), root_rank, name="broadcast_optimizer_state.has"
+    )
+    if not root_has_state:
+        # A fresh optimizer on the root: every rank starts from empty state, as the root does.
+        optimizer.state.clear()
+    elif not optimizer.state_dict()["state"]:
+        # The root has state (e.g. from a checkpoint): create ours so its tensors can be
+        # overwritten in place.
+        _initialize_state(optimizer)
+
+
+def _broadcast_state_tensors(state: dict[Any, dict[str, Any]], root_rank: int) -> dict[str, Any]:
+    """Broadcast every tensor of the optimizer's per-parameter ``state`` in place; returns the
+    other values by broadcast name, to be sent as one object."""
+    scalars: dict[str, Any] = {}
+    handles = []
+    for param_id in sorted(state):
+        for key in sorted(state[param_id]):
+            value = state[param_id][key]
+            name = f"broadcast_optimizer_state.{param_id}.{key}"
+            if isinstance(value, torch.Tensor):
+                handles.append(ops.broadcast_async_(value, root_rank, name=name))
+            else:
+                scalars[name] = value
+    for handle in handles:
+        ops.synchronize(handle)
+    return scalars
+
+
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
 ) -> None:
@@ -177,32 +209,12 @@ def broadcast_optimizer_state(
         # Horovod (which steps on zero gradients to create the state): scripts read or
         # broadcast p.grad right after this call.
         _zero_missing_grads(optimizer)
-    root_has_state = broadcast_object(
-        bool(optimizer.state_dict()["state"]), root_rank, name="broadcast_optimizer_state.has"
-    )
-    if not root_has_state:
-        # A fresh optimizer on the root: every rank starts from empty state, as the root does.
-        optimizer.state.clear()
-    elif not optimizer.state_dict()["state"]:
-        # The root has state (e.g. from a checkpoint): create ours so its tensors can be
-        # overwritten in place.
-        _initialize_state(optimizer)
+    _match_roots_state(optimizer, root_rank)
     state_dict = optimizer.state_dict()
-    scalars: dict[str, Any] = {}
-    handles = []
-    for param_id in sorted(state_dict["state"]):
-        for key in sorted(state_dict["state"][param_id]):
-            value = state_dict["state"][param_id][key]
-            name = f"broadcast_optimizer_state.{param_id}.{key}"
-            if isinstance(value, torch.Tensor):
-                handles.append(ops.broadcast_async_(value, root_rank, name=name))
-            else:
-                scalars[name] = value
+    scalars = _broadcast_state_tensors(state_dict["state"], root_rank)
     options = [
         {k: v for k, v in group.items() if k != "params"} for group in state_dict["param_groups"]
     ]
-    for handle in handles:
-        ops.synchronize(handle)
     scalars, options = broadcast_object(
         (scalars, options), root_rank, name="broadcast_optimizer_state.options"
     )

@@ -531,61 +531,84 @@ class Replay:
         with self._intake.wakeup:
             self.awaiting = set(needed)
             while True:
-                while self._intake.queue:
-                    entry = self._intake.queue.popleft()
-                    self.held[entry.request.key] = entry
-                    if not schedule.expects(entry.request):
-                        return steady.DEVIATED, f"{entry.request.name} is not next in the schedule"
-                self.awaiting.difference_update(self.held)
-                if self._intake.shutdown_reason is not None:
-                    return steady.DEVIATED, "shutdown"
-                if self._failure_seen():
-                    return steady.DEVIATED, "a failure was reported"
-                if not self.awaiting:
-                    for key in needed:
-                        del self.held[key]
-                    return steady.FOLLOWING, None
-                if flight is not None and (
-                    self.polled
-                    or any(
-                        e is not None and e.handle in self._intake.blocked for e in flight.entries
-                    )
-                ):
-                    self.polled = False
+                outcome = self._batch_outcome(schedule, needed)
+                if outcome is not None:
+                    return outcome
+                if flight is not None and self._flight_wanted(flight):
                     return None
                 now = time.monotonic()
-                timeout = WATCH_INTERVAL_S
-                # A user blocked on a result this rank has not run yet: the batch may never
-                # fill (its user submits the rest only after the result). Results already
-                # running are not waited for here.
-                since = [
-                    self._intake.blocked[e.handle]
-                    for e in self.held.values()
-                    if e.handle in self._intake.blocked
-                ]
-                if since:
-                    waited = now - max(min(since), started)
-                    grace = max(STEADY_BLOCKED_GRACE_S, 10 * self._settings.cycle_time_ms / 1000)
-                    if waited >= grace:
-                        first = min(i for i, k in enumerate(needed) if k in self.awaiting)
-                        return steady.blocked_code(
-                            first
-                        ), f"a result is awaited before {schedule.current[first].name}"
-                    timeout = min(timeout, grace - waited)
+                blocked = self._blocked_cut(schedule, needed, started, now)
+                if isinstance(blocked, tuple):
+                    return blocked
                 if stall_after and not warned and now - started > stall_after and now >= probe:
                     # Some rank waits for this one (it recorded so), or every rank is busy
                     # elsewhere at once, which is no stall: ask the store now and then.
                     probe = now + STALL_PROBE_S
-                    if self._peers_wait():
-                        warned = True
-                        logger.warning(
-                            "rank %d has not submitted %s for %.0f s while other ranks wait for "
-                            "them (steady state).",
-                            self.rank,
-                            _names([r.name for r in schedule.current if r.key not in self.held]),
-                            now - started,
-                        )
-                self._intake.wakeup.wait(timeout=timeout)
+                    warned = self._warn_if_peers_wait(schedule, now - started)
+                self._intake.wakeup.wait(timeout=min(WATCH_INTERVAL_S, blocked))
+
+    def _batch_outcome(
+        self, schedule: steady.Schedule, needed: list[Key]
+    ) -> tuple[int, str | None] | None:
+        """Take what was submitted since; the batch's code once this rank's part is decided
+        (every entry in, or a deviation), else None. Called with the intake's lock held."""
+        queue = self._intake.queue
+        while queue:
+            entry = queue.popleft()
+            self.held[entry.request.key] = entry
+            if not schedule.expects(entry.request):
+                return steady.DEVIATED, f"{entry.request.name} is not next in the schedule"
+        self.awaiting.difference_update(self.held)
+        if self._intake.shutdown_reason is not None:
+            return steady.DEVIATED, "shutdown"
+        if self._failure_seen():
+            return steady.DEVIATED, "a failure was reported"
+        if self.awaiting:
+            return None
+        for key in needed:
+            del self.held[key]
+        return steady.FOLLOWING, None
+
+    def _flight_wanted(self, flight: _Flight) -> bool:
+        """Whether a user polled, or waits for, a result of the batch in ``flight``."""
+        blocked = self._intake.blocked
+        if self.polled or any(e is not None and e.handle in blocked for e in flight.entries):
+            self.polled = False
+            return True
+        return False
+
+    def _blocked_cut(
+        self, schedule: steady.Schedule, needed: list[Key], started: float, now: float
+    ) -> tuple[int, str] | float:
+        """A user blocked on a result this rank has not run yet: the batch may never fill (its
+        user submits the rest only after the result). Past a grace period, the code that cuts
+        the batch before the first tensor still missing; before it, how long to wait at most.
+        Results already running are not waited for here."""
+        blocked = self._intake.blocked
+        since = [blocked[e.handle] for e in self.held.values() if e.handle in blocked]
+        if not since:
+            return WATCH_INTERVAL_S
+        waited = now - max(min(since), started)
+        grace = max(STEADY_BLOCKED_GRACE_S, 10 * self._settings.cycle_time_ms / 1000)
+        if waited < grace:
+            return grace - waited
+        first = min(i for i, k in enumerate(needed) if k in self.awaiting)
+        return steady.blocked_code(
+            first
+        ), f"a result is awaited before {schedule.current[first].name}"
+
+    def _warn_if_peers_wait(self, schedule: steady.Schedule, waited: float) -> bool:
+        """Warn once other ranks wait for this one's part of the batch; whether it warned."""
+        if not self._peers_wait():
+            return False
+        logger.warning(
+            "rank %d has not submitted %s for %.0f s while other ranks wait for them "
+            "(steady state).",
+            self.rank,
+            _names([r.name for r in schedule.current if r.key not in self.held]),
+            waited,
+        )
+        return True
 
     def _leave(
         self,
