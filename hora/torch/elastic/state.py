@@ -63,7 +63,26 @@ def _default_bcast_object(obj: Any) -> Any:
     return _broadcast_from_root(obj, "hora.elastic.object_state")
 
 
-class State:
+class _Snapshot:
+    """What elastic state and each of ``TorchState``'s handlers implement."""
+
+    def save(self) -> None:
+        """Keep a copy of the current state in memory (what :meth:`restore` goes back to)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement save()")
+
+    def restore(self) -> None:
+        """Go back to the state of the last :meth:`save` (the last commit)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement restore()")
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's (a collective: every rank calls it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement sync()")
+
+    def reset(self) -> None:
+        """Hook called after the job re-formed (for a state: before the reset callbacks)."""
+
+
+class State(_Snapshot):
     """The base of elastic training state; ``hvd.elastic.run`` drives it.
 
     Subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync`, and may override the
@@ -154,21 +173,6 @@ class State:
             self._updates_seen = number
             raise HostsUpdatedInterrupt(skip_sync=flags == _elastic.HOSTS_REMOVED)
 
-    def save(self) -> None:
-        """Keep a copy of the current state in memory (what :meth:`restore` goes back to)."""
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        """Go back to the state of the last :meth:`save` (the last commit)."""
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        """Make every rank's state rank 0's (a collective: every rank calls it)."""
-        raise NotImplementedError()
-
-    def reset(self) -> None:
-        """Hook called after the job re-formed, before the reset callbacks."""
-
 
 class ObjectState(State):
     """Plain Python attributes as elastic state: ``ObjectState(epoch=0, batch=0)``.
@@ -229,7 +233,7 @@ def _check_names(cls: type, names: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- TorchState's handlers
 
 
-class StateHandler:
+class StateHandler(_Snapshot):
     """Saves, restores and synchronizes one object of a :class:`TorchState`.
 
     Args:
@@ -244,18 +248,6 @@ class StateHandler:
     def __init__(self, value: Any) -> None:
         self.value = value
         self.name = type(value).__name__
-
-    def save(self) -> None:
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        raise NotImplementedError()
-
-    def reset(self) -> None:
-        """Called by ``TorchState.reset()`` after the job re-formed."""
 
     def set_value(self, value: Any) -> None:
         """Replace the object (the state's attribute was assigned) and save it."""
