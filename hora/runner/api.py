@@ -1,7 +1,8 @@
 """``hora.run``: run a Python function on N local worker processes and collect the results.
 
 The function and its arguments travel to the workers through the job's store, signed with the
-job secret; results come back the same way. Workers are supervised like ``horarun``'s.
+job secret; results come back the same way. The job (store, secret, supervisor, the workers'
+environment) is built by :class:`hora.runner.job.Job`, as ``horarun``'s is.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import cloudpickle
 
 from hora.runner.hosts import assign_slots, parse_hosts
-from hora.runner.options import worker_env
+from hora.runner.job import Job
 from hora.runner.supervisor import OutputForwarder, Supervisor
 
 FUNCTION_KEY = "run/function"
@@ -74,44 +75,43 @@ def run(
         >>> hora.run(work, np=2)
         [0, 1]
     """
-    from hora.runner.rendezvous import RendezvousServer
-
     slots = assign_slots(parse_hosts(f"localhost:{np}"), np)
-    server = RendezvousServer("127.0.0.1")
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    server.client.set_signed(FUNCTION_KEY, payload)
-    supervisor = Supervisor(
-        on_exit=server.record_exit, forwarder=OutputForwarder(prefix=prefix_output)
-    )
     base = dict(os.environ)
     base.update(env or {})
     command = [sys.executable, "-m", "hora.runner.task"]
-    try:
+    with Job.open(command, base_env=base, forwarder=OutputForwarder(prefix=prefix_output)) as job:
+        job.server.client.set_signed(FUNCTION_KEY, payload)
         for slot in slots:
-            supervisor.spawn(slot, command, worker_env(base, {**server.env(), **slot.env()}))
-        codes = supervisor.wait(timeout_s)
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        for rank in range(np):
-            key = result_key(rank)
-            if server.client.check(key):
-                status, value = cloudpickle.loads(server.client.get_signed(key))
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    errors[rank] = value
-            elif codes.get(rank, 0) != 0:
-                errors[rank] = _exit_text(supervisor, rank, codes[rank])
+            job.spawn(slot, slot.env())
+        codes = job.supervisor.wait(timeout_s)
+        results, errors = _collect(job, codes, np)
+    if errors:
+        summary = "\n".join(f"rank {r}: {text}" for r, text in sorted(errors.items()))
+        raise HoraRunError(
+            f"hora.run: {len(errors)} of {np} ranks failed.\n{summary}", results, errors
+        )
+    return [results[r] for r in range(np)]
+
+
+def _collect(job: Job, codes: dict[int, int], np: int) -> tuple[dict[int, Any], dict[int, str]]:
+    """The results of the ranks that returned one, and the error text of the others."""
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    client = job.server.client
+    for rank in range(np):
+        key = result_key(rank)
+        if client.check(key):
+            status, value = cloudpickle.loads(client.get_signed(key))
+            if status == "ok":
+                results[rank] = value
             else:
-                errors[rank] = f"rank {rank} exited without returning a result"
-        if errors:
-            summary = "\n".join(f"rank {r}: {text}" for r, text in sorted(errors.items()))
-            raise HoraRunError(
-                f"hora.run: {len(errors)} of {np} ranks failed.\n{summary}", results, errors
-            )
-        return [results[r] for r in range(np)]
-    finally:
-        server.close()
+                errors[rank] = value
+        elif codes.get(rank, 0) != 0:
+            errors[rank] = _exit_text(job.supervisor, rank, codes[rank])
+        else:
+            errors[rank] = f"rank {rank} exited without returning a result"
+    return results, errors
 
 
 def _exit_text(supervisor: Supervisor, rank: int, code: int) -> str:

@@ -1,0 +1,253 @@
+"""A job's shared parts, made in one place for the static driver, the elastic one and ``hora.run``.
+
+A driver decides where workers run and when: :mod:`hora.runner.static` starts one per slot and
+waits, :mod:`hora.runner.elastic` forms rounds. Neither builds what every job has once, which is
+the :class:`Job`: the secret and the store (:mod:`hora.runner.rendezvous`), the supervisor with its
+output forwarding (:mod:`hora.runner.supervisor`), the environment every worker starts from, and
+how other hosts are reached (:class:`Network`, from :func:`reach_hosts`). Leaving a job (it is a
+context manager) stops any worker still running and closes the store.
+
+Importing this module never imports PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol
+
+from hora.runner import options
+from hora.runner.hosts import Slot
+from hora.runner.remote import (
+    SshSettings,
+    check_hosts,
+    interface_address,
+    rendezvous_address,
+    require_ssh,
+    ssh_settings,
+)
+from hora.runner.rendezvous import RendezvousServer
+from hora.runner.supervisor import (
+    OutputForwarder,
+    Supervisor,
+    Worker,
+    install_signal_handlers,
+)
+
+# Topology variables no worker inherits from the launcher: each gets its own (a static worker
+# from its slot, an elastic one from the round it joins).
+TOPOLOGY_VARS = frozenset(
+    f"{prefix}{name}"
+    for prefix in ("HORA_", "HOROVOD_")
+    for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+)
+
+
+def _quiet(message: str) -> None:
+    del message
+
+
+@dataclass(frozen=True)
+class Network:
+    """How a job's hosts are reached and where its store listens.
+
+    Attributes:
+        bind_address: where the job's store listens.
+        ssh: how remote hosts are reached.
+        env: the network-interface variables every worker gets (from ``--network-interface``);
+            without them each worker's watchdog picks the interface that reaches the store.
+    """
+
+    bind_address: str = "127.0.0.1"
+    ssh: SshSettings = field(default_factory=SshSettings)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def reach_hosts(
+    args: argparse.Namespace,
+    remote_hosts: Sequence[str],
+    say: Callable[[str], None],
+    hosts_may_join: bool = False,
+) -> Network:
+    """Check that the remote hosts can be reached, and pick the store's address.
+
+    A static job probes every remote host over SSH before anything starts. An elastic job's hosts
+    come and go (``hosts_may_join``): only an ``ssh`` client is required, and with
+    ``--network-interface`` its store listens on that interface even when every host found so far
+    is this machine, so that other machines can join later.
+
+    Raises:
+        HostError: the hosts cannot be used or reached; nothing has been started.
+    """
+    ssh = ssh_settings(args)
+    if remote_hosts:
+        if hosts_may_join:
+            require_ssh()
+        else:
+            say(f"checking SSH to {', '.join(remote_hosts)}")
+            check_hosts(remote_hosts, ssh)
+    interfaces = list(args.interfaces or [])
+    if interfaces and hosts_may_join:
+        bind_address = interface_address(interfaces[0])
+    else:
+        bind_address = rendezvous_address(remote_hosts, ssh, interfaces)
+    env: dict[str, str] = {}
+    if interfaces:
+        env = {"HORA_GLOO_IFACE": interfaces[0], "NCCL_SOCKET_IFNAME": ",".join(interfaces)}
+    return Network(bind_address, ssh, env)
+
+
+class Job:
+    """One job's shared parts; every worker of the job is started through :meth:`spawn`.
+
+    Built from its parts (tests pass stand-ins); :meth:`open` makes the real ones.
+
+    Args:
+        command: what every worker runs.
+        server: the job's store; it holds the secret.
+        supervisor: starts, watches and stops the workers.
+        env: variables every worker gets (the store's address and the secret are added).
+        ssh: how remote workers are reached.
+        base_env: the environment workers start from (default: ours), less :data:`TOPOLOGY_VARS`.
+        cwd: the workers' directory (default: ours).
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        server: RendezvousServer,
+        supervisor: Supervisor,
+        env: Mapping[str, str] | None = None,
+        ssh: SshSettings | None = None,
+        base_env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        self.command = list(command)
+        self.server = server
+        self.supervisor = supervisor
+        self.env = {**server.env(), **(env or {})}
+        self.ssh = ssh or SshSettings()
+        base = os.environ if base_env is None else base_env
+        self.base_env = {k: v for k, v in base.items() if k not in TOPOLOGY_VARS}
+        self.cwd = cwd or os.getcwd()
+
+    @classmethod
+    def open(
+        cls,
+        command: Sequence[str],
+        network: Network | None = None,
+        env: Mapping[str, str] | None = None,
+        base_env: Mapping[str, str] | None = None,
+        forwarder: OutputForwarder | None = None,
+        record_exits: bool = True,
+        handle_signals: bool = False,
+        say: Callable[[str], None] = _quiet,
+    ) -> Job:
+        """Start the job's store (with a fresh secret) and make its supervisor.
+
+        Args:
+            command: what every worker runs.
+            network: where the store listens and how hosts are reached (default: this machine).
+            env: variables every worker gets, besides the network's and the store's.
+            base_env: the environment workers start from (default: ours).
+            forwarder: how workers' output is copied (default: prefixed lines).
+            record_exits: the supervisor records a failed worker's end in the store (the
+                elastic driver records it in the round's space itself).
+            handle_signals: Ctrl-C or TERM stops every worker before the process exits.
+            say: logs a line under ``--verbose``.
+        """
+        network = network or Network()
+        server = RendezvousServer(network.bind_address)
+        say(f"rendezvous store listening on {server.address}:{server.port}")
+        supervisor = Supervisor(
+            on_exit=server.record_exit if record_exits else None, forwarder=forwarder
+        )
+        if handle_signals:
+            install_signal_handlers(supervisor)
+        return cls(
+            command, server, supervisor, {**(env or {}), **network.env}, network.ssh, base_env
+        )
+
+    def spawn(self, slot: Slot, env: Mapping[str, str], remote: bool = False) -> Worker:
+        """Start one worker of the job's command for ``slot``, over SSH when ``remote``.
+
+        Args:
+            slot: where it runs; its rank numbers the worker's output.
+            env: the worker's own variables, on top of the job's.
+            remote: ``slot.hostname`` is another machine.
+        """
+        worker = options.worker_env(self.base_env, {**self.env, **env})
+        return self.supervisor.spawn(
+            slot, self.command, worker, cwd=self.cwd, ssh=self.ssh if remote else None
+        )
+
+    def close(self) -> None:
+        """Stop the workers still running and close the store."""
+        self.supervisor.stop()
+        self.server.close()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def forwarder_from_flags(args: argparse.Namespace) -> OutputForwarder:
+    """Output forwarding as ``horarun``'s flags ask for it."""
+    return OutputForwarder(
+        prefix=not args.disable_output_prefix,
+        timestamp=bool(args.prefix_output_with_timestamp),
+        log_dir=args.output_filename,
+    )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended: ``horarun``'s exit status, and what to tell the user (empty: nothing)."""
+
+    status: int
+    message: str = ""
+
+
+class Plan(Protocol):
+    """Where a job runs, decided before anything starts, and the driver that runs it."""
+
+    @property
+    def network(self) -> Network:
+        """Where the store listens and how hosts are reached."""
+        ...
+
+    @property
+    def record_exits(self) -> bool:
+        """Whether the supervisor records a failed worker's end in the job's store."""
+        ...
+
+    def job_env(self) -> dict[str, str]:
+        """Variables every worker of this driver gets, besides the flags'."""
+        ...
+
+    def run(self, job: Job, say: Callable[[str], None]) -> Outcome:
+        """Start the workers, drive them to the end, and say how the job ended."""
+        ...
+
+
+def open_job(args: argparse.Namespace, plan: Plan, say: Callable[[str], None]) -> Job:
+    """The job ``horarun``'s flags describe, for ``plan``'s driver."""
+    return Job.open(
+        list(args.command),
+        plan.network,
+        env={**options.engine_env(args), **plan.job_env()},
+        forwarder=forwarder_from_flags(args),
+        record_exits=plan.record_exits,
+        handle_signals=True,
+        say=say,
+    )
