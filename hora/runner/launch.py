@@ -9,12 +9,11 @@ Usage::
     horarun -np 2 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py
 
 Flags follow ``horovodrun`` (see :mod:`hora.runner.options`). The launch reads as an outline:
-parse the flags; let the static driver (:mod:`hora.runner.static`) plan where the job runs
-(nothing starts until the hosts are known and reachable); build the job once
+parse the flags; pick the driver and let it plan where the job runs (nothing starts until the
+hosts are known and reachable): :mod:`hora.runner.static`, or :mod:`hora.runner.elastic` for an
+elastic job (``--min-np``, ``--max-np`` or ``--host-discovery-script``); build the job once
 (:mod:`hora.runner.job`: the store, the secret, the supervisor, the workers' environment); run it
-with the driver; report. An elastic job (``--min-np``, ``--max-np`` or
-``--host-discovery-script``) goes to :func:`hora.runner.elastic.run_elastic` instead. Importing
-this module never imports PyTorch.
+with the driver; report. Importing this module never imports PyTorch.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hora.runner import options
+from hora.runner.elastic import DiscoveryError, plan_elastic
 from hora.runner.hosts import HostError
 from hora.runner.job import Plan, open_job
 from hora.runner.static import plan_job
@@ -66,10 +66,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
 def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> Plan | int:
     """Where the job runs, planned by its driver; or the exit status when it cannot start."""
     try:
+        if options.is_elastic(args):
+            return plan_elastic(args, say)
         return plan_job(args, say)
     except HostError as exc:
         print(f"horarun: {exc}", file=sys.stderr, flush=True)
         return 2
+    except DiscoveryError as exc:
+        print(
+            f"horarun: {str(exc).rstrip('.')}. The job cannot start.", file=sys.stderr, flush=True
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -88,10 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for note in options.notes(args):
         say(note)
-    if options.is_elastic(args):
-        from hora.runner.elastic import run_elastic
-
-        return run_elastic(args, say)
     plan = _plan(args, say)
     if isinstance(plan, int):
         return plan

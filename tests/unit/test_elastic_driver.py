@@ -31,7 +31,9 @@ from hora.runner.elastic import (
     update_flags,
 )
 from hora.runner.hosts import Host, Slot
+from hora.runner.job import Job
 from hora.runner.options import OptionError, is_elastic, notes, parse, refusals
+from hora.runner.remote import SshSettings
 from hora.runner.supervisor import Worker
 
 COMMAND = ["python", "train.py"]
@@ -583,7 +585,7 @@ def test_a_reset_request_explained_by_a_failure_makes_one_round() -> None:
     assert h.plan().number == 1 and h.plan().ranked() == ["a:0", "c:0"]
     h.step(elastic.RESET_GRACE_S)
     assert h.plan().number == 1
-    assert h.driver.resets == 1
+    assert h.driver.rounds.resets == 1
 
 
 @pytest.mark.timeout(20)
@@ -711,14 +713,18 @@ def test_worker_environment_is_elastic_without_ranks(monkeypatch: pytest.MonkeyP
             captured.update(slot=slot, command=command, env=env, **kw)
             return "worker"
 
-    spawner = elastic._Spawner(
-        Recorder(),  # type: ignore[arg-type]
+    class Store:
+        def env(self) -> dict[str, str]:
+            return {"HORA_RENDEZVOUS_PORT": "1"}
+
+    job = Job(
         ["python", "t.py"],
-        {"HORA_ELASTIC_TIMEOUT": "70", "HORA_RENDEZVOUS_PORT": "1"},
-        elastic.SshSettings(),
-        lambda host: host == "far",
-        lambda message: None,
+        Store(),  # type: ignore[arg-type]
+        Recorder(),  # type: ignore[arg-type]
+        {"HORA_ELASTIC_TIMEOUT": "70"},
+        SshSettings(),
     )
+    spawner = elastic.Spawner(job, lambda host: host == "far", lambda message: None)
     spawner.spawn("near:1")
     env = captured["env"]
     assert env["HORA_ELASTIC"] == "1" and env["HORA_ELASTIC_ID"] == "near:1"
