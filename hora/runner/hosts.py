@@ -65,25 +65,42 @@ def parse_hosts(text: str) -> list[Host]:
         item = raw.strip()
         if not item:
             raise HostError(f"empty entry in host list {text!r}; use host:slots,host:slots.")
-        name, sep, count = item.rpartition(":")
-        if not sep:
-            name, count = item, "1"
+        name, count = split_entry(item)
+        if count is None:
+            count = "1"
         if not name:
             raise HostError(f"host list entry {item!r} has no host name.")
         _check_name(name, item)
         try:
-            slots = int(count)
-        except ValueError:
-            raise HostError(
-                f"host list entry {item!r}: slots must be an integer (host:slots)."
-            ) from None
-        if slots < 1:
-            raise HostError(f"host list entry {item!r}: slots must be >= 1.")
+            slots = slot_count(count)
+        except ValueError as exc:
+            raise HostError(f"host list entry {item!r}: {exc}.") from None
         if name in seen:
             raise HostError(f"host {name!r} appears twice in {text!r}.")
         seen.add(name)
         hosts.append(Host(name, slots))
     return hosts
+
+
+def split_entry(text: str) -> tuple[str, str | None]:
+    """``host:slots`` as ``(host, slots)``; ``host`` alone as ``(host, None)``."""
+    name, sep, count = text.rpartition(":")
+    return (name, count) if sep else (text, None)
+
+
+def slot_count(text: str) -> int:
+    """The ``slots`` of ``host:slots``.
+
+    Raises:
+        ValueError: it is not a positive integer; the message says which way, for the user.
+    """
+    try:
+        slots = int(text)
+    except ValueError:
+        raise ValueError("slots must be an integer (host:slots)") from None
+    if slots < 1:
+        raise ValueError("slots must be >= 1")
+    return slots
 
 
 _NAME = re.compile(r"^[\w.@-]+$")

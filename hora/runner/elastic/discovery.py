@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from hora.runner.hosts import Host
+from hora.runner.hosts import Host, slot_count, split_entry
 
 # How often the discovery script runs, and how long one run may take.
 DISCOVERY_INTERVAL_S = 1.0
@@ -42,9 +42,7 @@ def parse_discovery_output(text: str, default_slots: int = 1) -> list[Host]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        name, sep, count = line.rpartition(":")
-        if not sep:
-            name, count = line, ""
+        name, count = split_entry(line)
         if not name or name.startswith("-") or not _HOST_NAME.match(name):
             raise DiscoveryError(
                 f"line {number}: {raw.strip()!r} is not `host` or `host:slots` (host names hold "
@@ -53,13 +51,9 @@ def parse_discovery_output(text: str, default_slots: int = 1) -> list[Host]:
         slots = default_slots
         if count:
             try:
-                slots = int(count)
-            except ValueError:
-                raise DiscoveryError(
-                    f"line {number}: {raw.strip()!r}: slots must be an integer (host:slots)."
-                ) from None
-            if slots < 1:
-                raise DiscoveryError(f"line {number}: {raw.strip()!r}: slots must be >= 1.")
+                slots = slot_count(count)
+            except ValueError as exc:
+                raise DiscoveryError(f"line {number}: {raw.strip()!r}: {exc}.") from None
         if name in hosts:
             raise DiscoveryError(f"line {number}: host {name!r} is listed twice.")
         hosts[name] = slots
