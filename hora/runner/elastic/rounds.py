@@ -13,8 +13,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hora.common.elastic import HOSTS_ADDED, HOSTS_REMOVED, RoundPlan, host_of
-
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
+from hora.common.settings_table import ELASTIC_TIMEOUT
 
 
 class ElasticError(RuntimeError):
@@ -101,11 +100,11 @@ class Limits:
         if timeout is None:
             from hora.common.config import lookup
 
-            raw = lookup("ELASTIC_TIMEOUT")
+            raw = lookup(ELASTIC_TIMEOUT.name)
             try:
-                timeout = float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT_S
+                timeout = float(raw) if raw else ELASTIC_TIMEOUT.default
             except ValueError:
-                timeout = DEFAULT_ELASTIC_TIMEOUT_S
+                timeout = ELASTIC_TIMEOUT.default
         cooldown = args.blacklist_cooldown_range
         return cls(
             np=int(args.np),
