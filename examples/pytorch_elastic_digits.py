@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,37 @@ def first_round() -> bool:
     return protocol.progress.plan is None or protocol.progress.plan.number == 0
 
 
+def train_epoch(
+    state: hvd.elastic.TorchState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_set: Any,
+    args: argparse.Namespace,
+) -> None:
+    """Train on this rank's shard of the epoch, from the batch the state is at."""
+    model.train()
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
+    # After a change of world size the shards can differ by a sample, hence by one
+    # batch: every rank runs the longest count, a rank without data adds nothing.
+    longest = hvd.allreduce(torch.tensor([float(len(loader))]), op=hvd.Max, name="steps")
+    batches = iter(loader)
+    for step in range(int(longest.item())):
+        where = (hvd.rank(), state.epoch, state.batch)
+        if args.demo_failure and first_round() and where == (2, 1, 12):
+            print("rank 2: killing myself (--demo-failure)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.zero_grad()
+        batch = next(batches, None)
+        if batch is not None:
+            images, labels = batch
+            F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        state.sampler.record_batch(step, args.batch_size)
+        state.batch += 1
+        if state.batch % args.commit_every == 0:
+            state.commit()
+
+
 def main() -> None:
     args = parse_args()
     hvd.init()
@@ -86,27 +118,7 @@ def main() -> None:
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         while state.epoch < args.epochs:
-            model.train()
-            loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
-            # After a change of world size the shards can differ by a sample, hence by one
-            # batch: every rank runs the longest count, a rank without data adds nothing.
-            longest = hvd.allreduce(torch.tensor([float(len(loader))]), op=hvd.Max, name="steps")
-            batches = iter(loader)
-            for step in range(int(longest.item())):
-                where = (hvd.rank(), state.epoch, state.batch)
-                if args.demo_failure and first_round() and where == (2, 1, 12):
-                    print("rank 2: killing myself (--demo-failure)", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                optimizer.zero_grad()
-                batch = next(batches, None)
-                if batch is not None:
-                    images, labels = batch
-                    F.cross_entropy(model(images), labels).backward()
-                optimizer.step()
-                state.sampler.record_batch(step, args.batch_size)
-                state.batch += 1
-                if state.batch % args.commit_every == 0:
-                    state.commit()
+            train_epoch(state, model, optimizer, train_set, args)
             accuracy = evaluate(model, test_set)
             if hvd.rank() == 0:
                 print(

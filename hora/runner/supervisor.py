@@ -221,6 +221,20 @@ class LineSplitter:
         return [state] if state and state != self._shown else []
 
 
+def _take_controls(controls: ControlFilter, text: str, worker: Worker, final: bool) -> str:
+    """``text`` without the task runner's control lines; what they say (the worker's pid, its
+    exit status) is recorded on ``worker``."""
+    text, found = controls.feed(text)
+    if final:
+        text += controls.close()
+    for word, value in found:
+        if word == "pid":
+            worker.pid = value
+        elif word == "exit":
+            worker.status = value
+    return text
+
+
 class OutputForwarder:
     """Copies a worker's stream to ours, line by line, with a rank prefix.
 
@@ -243,14 +257,18 @@ class OutputForwarder:
         thread.start()
         worker.threads.append(thread)
 
+    def _log_file(self, worker: Worker, name: str) -> IO[str] | None:
+        """The file that keeps a copy of a worker's ``name`` stream (``--output-filename``)."""
+        if not self.log_dir:
+            return None
+        # Horovod's layout: rank numbers padded to the width of the largest one.
+        width = len(str(max(worker.slot.size - 1, 0)))
+        directory = os.path.join(self.log_dir, f"rank.{worker.rank:0{width}d}")
+        os.makedirs(directory, exist_ok=True)
+        return open(os.path.join(directory, name), "w", encoding="utf-8")  # noqa: SIM115
+
     def _pump(self, worker: Worker, stream: IO[bytes], name: str, sink: IO[str]) -> None:
-        log: IO[str] | None = None
-        if self.log_dir:
-            # Horovod's layout: rank numbers padded to the width of the largest one.
-            width = len(str(max(worker.slot.size - 1, 0)))
-            directory = os.path.join(self.log_dir, f"rank.{worker.rank:0{width}d}")
-            os.makedirs(directory, exist_ok=True)
-            log = open(os.path.join(directory, name), "w", encoding="utf-8")  # noqa: SIM115
+        log = self._log_file(worker, name)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         splitter = LineSplitter()
         controls = ControlFilter() if name == "stdout" else None
@@ -266,14 +284,7 @@ class OutputForwarder:
                 chunk = os.read(fd, 65536)
                 text = decoder.decode(chunk, final=not chunk)
                 if controls is not None:
-                    text, found = controls.feed(text)
-                    if not chunk:
-                        text += controls.close()
-                    for word, value in found:
-                        if word == "pid":
-                            worker.pid = value
-                        elif word == "exit":
-                            worker.status = value
+                    text = _take_controls(controls, text, worker, final=not chunk)
                 if log is not None and text:
                     log.write(text)
                     log.flush()
@@ -395,12 +406,7 @@ class Supervisor:
                     if self.first_failure is None:
                         self.first_failure = worker
                         failure_deadline = time.monotonic() + FAILURE_GRACE_S
-                    if self.on_exit is not None and not self._stopping:
-                        text = f"{worker.where()} {worker.describe_exit(code)}"
-                        try:
-                            self.on_exit(worker.rank, text)
-                        except Exception:  # noqa: BLE001 - survivors will still time out
-                            pass
+                    self._report_exit(worker, code)
             if not running:
                 break
             now = time.monotonic()
@@ -420,6 +426,16 @@ class Supervisor:
             code = worker.exit_code
             codes[worker.rank] = code if code is not None else 0
         return codes
+
+    def _report_exit(self, worker: Worker, code: int) -> None:
+        """Tell ``on_exit`` (the job's failure record) that ``worker`` failed, unless stopping."""
+        if self.on_exit is None or self._stopping:
+            return
+        text = f"{worker.where()} {worker.describe_exit(code)}"
+        try:
+            self.on_exit(worker.rank, text)
+        except Exception:  # noqa: BLE001 - survivors will still time out
+            pass
 
     def stop(self) -> None:
         """Stop every worker and what it started: each watchdog TERMs its worker's tree and
