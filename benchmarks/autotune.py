@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         worker(*json.loads(args.worker))
         return 0
-    from hora.common.autotune import candidates
+    from hora.common.engine.autotune import candidates
 
     # Entering the steady state takes a few steps; then every candidate runs its steps.
     warm = 4 + len(candidates(128 * 1024 * 1024)) * (WARMUP + STEPS_PER_SAMPLE) + 2

@@ -73,7 +73,7 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def hora_worker(events: str) -> None:
     import hora.torch as hvd
-    from hora.common import elastic as protocol
+    from hora.common.job import rounds as protocol
 
     torch.set_num_threads(1)
     hvd.init()

@@ -37,7 +37,7 @@ from pytorch_digits import DigitsNet, evaluate, load_data
 from torch.utils.data import DataLoader
 
 import hora.torch as hvd
-from hora.common import elastic as protocol
+from hora.common.job import rounds as protocol
 
 
 def parse_args() -> argparse.Namespace:

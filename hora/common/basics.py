@@ -13,15 +13,16 @@ import sys
 import threading
 from typing import Any
 
-from hora.common import elastic, joining
 from hora.common.config import Settings, flag, lookup, start_timeout_s
 from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
+from hora.common.job import joining
+from hora.common.job import rounds as elastic
+from hora.common.job.store import StoreClient
+from hora.common.job.store_keys import GenerationKeys
+from hora.common.job.topology import Topology, detect
 from hora.common.process_sets import ProcessSet
-from hora.common.rendezvous import StoreClient
-from hora.common.store_keys import GenerationKeys
-from hora.common.timeline import Timeline, merge, rank_path
-from hora.common.topology import Topology, detect
+from hora.common.timeline_writer import Timeline, merge, rank_path
 from hora.common.transport import Communicator
 
 logger = logging.getLogger("hora")

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
-from hora.common import adasum, basics
-from hora.common.engine import Entry, Handle, dtype_name
+from hora.common import basics
+from hora.common.engine import Entry, Handle, adasum, dtype_name
 from hora.common.errors import HoraInternalError, HoraValueError
 from hora.common.message import ReduceOp, Request, RequestType
 from hora.common.process_sets import ProcessSet

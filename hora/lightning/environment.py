@@ -1,7 +1,7 @@
 """``HoraEnvironment``: Lightning's view of the job, read from hora's own topology.
 
 Lightning asks a *cluster environment* for the world size and this process's ranks. This one
-answers with what hora decided: the launcher's variables as :func:`hora.common.topology.detect`
+answers with what hora decided: the launcher's variables as :func:`hora.common.job.topology.detect`
 reads them (``horarun`` and ``hora.run``, and also torchrun, ``mpirun``/``mpiexec`` and ``srun``)
 until ``hvd.init()`` has run, and hora's running topology afterwards. Lightning and hora therefore
 never disagree on who is rank 0, whichever launcher started the job.
@@ -14,7 +14,7 @@ import os
 
 from hora.common import basics
 from hora.common.config import lookup
-from hora.common.topology import Topology, detect
+from hora.common.job.topology import Topology, detect
 from hora.lightning._compat import ClusterEnvironment, find_free_network_port
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.common.rendezvous import new_secret
+from hora.common.job.store import new_secret
 from hora.ray import _worker
 from hora.runner.hosts import Slot
 

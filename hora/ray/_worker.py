@@ -56,7 +56,7 @@ def host_rendezvous(token: str, bind_address: str, secret: str, timeout_s: float
         secret: the job's fresh secret.
         timeout_s: how long store operations may block.
     """
-    from hora.runner.rendezvous import RendezvousServer
+    from hora.runner.store_server import RendezvousServer
 
     server = RendezvousServer(bind_address, secret=secret, timeout_s=timeout_s)
     with _lock:

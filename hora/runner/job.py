@@ -2,7 +2,7 @@
 
 A driver decides where workers run and when: :mod:`hora.runner.static` starts one per slot and
 waits, :mod:`hora.runner.elastic` forms rounds. Neither builds what every job has once, which is
-the :class:`Job`: the secret and the store (:mod:`hora.runner.rendezvous`), the supervisor with its
+the :class:`Job`: the secret and the store (:mod:`hora.runner.store_server`), the supervisor with its
 output forwarding (:mod:`hora.runner.supervisor`), the environment every worker starts from, and
 how other hosts are reached (:class:`Network`, from :func:`reach_hosts`). Leaving a job (it is a
 context manager) stops any worker still running and closes the store.
@@ -29,7 +29,7 @@ from hora.runner.remote import (
     require_ssh,
     ssh_settings,
 )
-from hora.runner.rendezvous import RendezvousServer
+from hora.runner.store_server import RendezvousServer
 from hora.runner.supervisor import (
     OutputForwarder,
     Supervisor,

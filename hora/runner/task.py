@@ -10,8 +10,8 @@ import cloudpickle
 
 def main() -> int:
     from hora.common.config import start_timeout_s
-    from hora.common.rendezvous import AuthenticationError, StoreClient
-    from hora.common.topology import detect
+    from hora.common.job.store import AuthenticationError, StoreClient
+    from hora.common.job.topology import detect
     from hora.runner.api import FUNCTION_KEY, result_key
 
     topology = detect()

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hora.common import timeline as common_timeline
-from hora.common.timeline import rank_path
+from hora.common import timeline_writer as common_timeline
+from hora.common.timeline_writer import rank_path
 
 # Rows (``tid``) of a rank's trace.
 TRAINING_ROW = 0

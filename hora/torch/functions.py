@@ -14,8 +14,8 @@ import cloudpickle
 import torch
 
 from hora.common import basics
+from hora.common.job.store import sign, verify
 from hora.common.process_sets import ProcessSet
-from hora.common.rendezvous import sign, verify
 from hora.torch import ops
 
 

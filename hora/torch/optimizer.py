@@ -22,7 +22,7 @@ from hora.common.engine import owns_its_memory
 from hora.common.errors import HoraInternalError
 from hora.common.message import ReduceOp, RequestType
 from hora.common.process_sets import ProcessSet
-from hora.common.timeline import TRAINING_ROW
+from hora.common.timeline_writer import TRAINING_ROW
 from hora.torch import ops
 from hora.torch.compression import Compression
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 import hora.torch as hvd
-from hora.common import elastic as protocol
+from hora.common.job import rounds as protocol
 
 SAMPLES = 48
 FEATURES = 4

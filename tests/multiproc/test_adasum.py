@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from hora.common import adasum
+from hora.common.engine import adasum
 
 from .jobs import assert_raised, error_of, run_job
 from .references import rank_input

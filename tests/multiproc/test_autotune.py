@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from hora.common.autotune import candidates
+from hora.common.engine.autotune import candidates
 
 from .jobs import run_job
 

@@ -266,8 +266,8 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
-    from hora.common import elastic as common_elastic
     from hora.common.engine import Handle
+    from hora.common.job import rounds as common_elastic
     from hora.torch import functions
     from hora.torch.elastic import state as elastic_state
 

@@ -3,7 +3,7 @@
 Distinct loopback addresses (127.0.0.2, 127.0.0.3, ...) stand for distinct hosts: horarun starts
 their workers on this machine, but the driver treats each address as a host of its own (its own
 worker ids, blacklisting). The worker scripts use only ``hvd.init()``, collectives and
-``hvd.shutdown()``, plus ``hora.common.elastic``'s round bookkeeping, not the ``hvd.elastic`` API.
+``hvd.shutdown()``, plus ``hora.common.job.rounds``'s round bookkeeping, not the ``hvd.elastic`` API.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ WORKER = """
 import os, sys
 import torch
 import hora.torch as hvd
-from hora.common import elastic
+from hora.common.job import rounds as elastic
 
 hvd.init()
 me = os.environ["HORA_ELASTIC_ID"]
@@ -59,7 +59,7 @@ GROWING_WORKER = """
 import os, time
 import torch
 import hora.torch as hvd
-from hora.common import elastic
+from hora.common.job import rounds as elastic
 
 HOSTS = os.environ["TEST_HOSTS_FILE"]
 hvd.init()

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from hora.common.rendezvous import new_secret, sign
+from hora.common.job.store import new_secret, sign
 from hora.runner.api import FUNCTION_KEY, result_key
-from hora.runner.rendezvous import RendezvousServer
+from hora.runner.store_server import RendezvousServer
 
 
 class _Trap:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hora.common.autotune import Autotuner, Candidate, candidates
-from hora.common.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from hora.common.engine.autotune import Autotuner, Candidate, candidates
+from hora.common.engine.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 MIB = 1024 * 1024
 

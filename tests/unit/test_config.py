@@ -50,7 +50,7 @@ def test_bad_values_are_named(env: dict[str, str], match: str) -> None:
 
 
 def test_topology_from_horarun_variables() -> None:
-    from hora.common.topology import detect
+    from hora.common.job.topology import detect
 
     env = {
         "HORA_RANK": "1",
@@ -80,13 +80,13 @@ def test_topology_from_horarun_variables() -> None:
     ],
 )
 def test_bad_or_foreign_topology_is_explained(env: dict[str, str], match: str) -> None:
-    from hora.common.topology import TopologyError, detect
+    from hora.common.job.topology import TopologyError, detect
 
     with pytest.raises(TopologyError, match=match):
         detect(env)
 
 
 def test_single_process_without_any_launcher() -> None:
-    from hora.common.topology import detect
+    from hora.common.job.topology import detect
 
     assert detect({"SLURM_NTASKS": "4"}).size == 1  # an allocation, not an srun step

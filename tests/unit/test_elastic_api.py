@@ -2,7 +2,7 @@
 ``ElasticSampler``'s arithmetic, and the ``run`` loop with the elastic job simulated.
 
 Tests that need collectives start a job of one in this process (``hvd.init()`` with
-``HORA_LAUNCHER=none``); the elastic ones patch ``hora.common.elastic.active`` and the reset,
+``HORA_LAUNCHER=none``); the elastic ones patch ``hora.common.job.rounds.active`` and the reset,
 so the loop's decisions are checked without a driver (end-to-end runs live elsewhere).
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hora.torch as hvd
-from hora.common import elastic as common_elastic
 from hora.common import errors
+from hora.common.job import rounds as common_elastic
 from hora.torch.elastic import loop as elastic_loop
 from hora.torch.elastic import state as elastic_state
 

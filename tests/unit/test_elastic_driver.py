@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hora.common import elastic as protocol
-from hora.common.rendezvous import StoreClient, new_secret
+from hora.common.job import rounds as protocol
+from hora.common.job.store import StoreClient, new_secret
 from hora.runner import elastic
 from hora.runner.elastic import (
     Blacklist,

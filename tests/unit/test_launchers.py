@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hora.common.launchers import (
+from hora.common.job.launchers import (
     LauncherError,
     cross_from_counts,
     derived_port,
@@ -21,8 +21,8 @@ from hora.common.launchers import (
     expand_tasks_per_node,
     first_hostfile_host,
 )
-from hora.common.rendezvous import StoreClient
-from hora.common.topology import Topology, TopologyError, detect
+from hora.common.job.store import StoreClient
+from hora.common.job.topology import Topology, TopologyError, detect
 
 
 def torchrun_env(rank: int, size: int = 4, nproc: int = 2, agent_store: bool = True) -> dict:
@@ -367,7 +367,7 @@ def test_cross_ranks_from_an_exchange_of_host_names() -> None:
     (a real in-process store here; every rank's view is computed in turn)."""
     from dataclasses import replace
 
-    from hora.common import joining
+    from hora.common.job import joining
 
     hosts = ["a", "a", "b", "c", "c"]
     base = [detect({**ompi_env(r, 5, 0, 1), "MASTER_ADDR": "a"}) for r in range(5)]
@@ -404,7 +404,7 @@ def test_cross_ranks_from_an_exchange_of_host_names() -> None:
 def test_a_taken_port_is_reported_with_what_to_set() -> None:
     import socket
 
-    from hora.common import joining
+    from hora.common.job import joining
 
     topology = detect(slurm_env(0, "2", 0, 0, 2))
     with socket.socket() as taken:
@@ -421,7 +421,7 @@ def test_a_taken_port_is_reported_with_what_to_set() -> None:
 
 
 def test_an_address_of_another_host_is_reported() -> None:
-    from hora.common import joining
+    from hora.common.job import joining
 
     topology = detect(slurm_env(0, "2", 0, 0, 2))
     # 192.0.2.1 (TEST-NET-1) is never an address of this host.

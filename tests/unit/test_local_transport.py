@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from hora.common import adasum
+from hora.common.engine import adasum
 from hora.common.message import ReduceOp
 from hora.common.transport import TransportError
 from hora.common.transport.local import LocalCommunicator, local_group

@@ -1,6 +1,6 @@
-from hora.common.fusion import plan
+from hora.common.engine.fusion import plan
+from hora.common.engine.negotiation import MessageTable, ResponseCache, validate
 from hora.common.message import CycleMessage, ReduceOp, Request, RequestType
-from hora.common.negotiation import MessageTable, ResponseCache, validate
 from hora.common.process_sets import ProcessSetTable
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from hora.common.rendezvous import AuthenticationError, namespace_for, new_secret, sign, verify
+from hora.common.job.store import AuthenticationError, namespace_for, new_secret, sign, verify
 
 
 def test_signed_values_verify_and_forgeries_are_rejected() -> None:

@@ -111,7 +111,7 @@ def test_the_table_imports_nothing_of_hora() -> None:
 
 
 def test_the_elastic_defaults_agree_with_the_table() -> None:
-    from hora.common import elastic as worker_side
+    from hora.common.job import rounds as worker_side
 
     assert table.ELASTIC_TIMEOUT.default == worker_side.DEFAULT_TIMEOUT_S
     assert table.ELASTIC.env == worker_side.ELASTIC_VAR

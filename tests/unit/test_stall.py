@@ -1,9 +1,9 @@
 """The stall inspector's deadlock check: every rank waits for a call another never submits."""
 
+from hora.common.engine.negotiation import MessageTable
+from hora.common.engine.stall import StallInspector
 from hora.common.message import Request, RequestType
-from hora.common.negotiation import MessageTable
 from hora.common.process_sets import ProcessSetTable
-from hora.common.stall import StallInspector
 
 
 def _table() -> MessageTable:

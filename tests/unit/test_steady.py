@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hora.common import steady
+from hora.common.engine import steady
 from hora.common.message import ReduceOp, Request, RequestType, Response
 
 

@@ -26,27 +26,27 @@ from collections.abc import Callable
 
 import torch
 
-from hora.common import fusion, steady
-from hora.common.autotune import Autotuner
 from hora.common.config import Settings
+from hora.common.engine import fusion, steady
+from hora.common.engine.autotune import Autotuner
 from hora.common.engine.buffers import writing_to_inference
 from hora.common.engine.executors import Run, executor_for
 from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
 from hora.common.engine.finisher import Finisher
 from hora.common.engine.handles import Entry, Handle, fail, finish
 from hora.common.engine.intake import Intake
+from hora.common.engine.negotiation import MessageTable, ResponseCache
 from hora.common.engine.replay import Replay
+from hora.common.engine.stall import StallInspector
 from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S, WATCH_INTERVAL_S
 from hora.common.engine.tracing import Tracer
 from hora.common.errors import HoraInternalError, shut_down_message
+from hora.common.job.store import StoreClient, sign
+from hora.common.job.store_keys import CAUSE, PARKED, GenerationKeys
+from hora.common.job.topology import Topology
 from hora.common.message import CycleMessage, Request, RequestType, Response
-from hora.common.negotiation import MessageTable, ResponseCache
 from hora.common.process_sets import ProcessSetTable
-from hora.common.rendezvous import StoreClient, sign
-from hora.common.stall import StallInspector
-from hora.common.store_keys import CAUSE, PARKED, GenerationKeys
-from hora.common.timeline import Timeline
-from hora.common.topology import Topology
+from hora.common.timeline_writer import Timeline
 from hora.common.transport import Communicator, TransportError
 
 logger = logging.getLogger("hora")

@@ -3,7 +3,7 @@
 As Horovod's operation manager does, the engine asks each executor in :data:`EXECUTORS`, in
 order, whether it runs a batch (``enabled``), and lets the first that does ``execute`` it. A
 batch is one or more agreed responses fused into one operation (see
-:mod:`hora.common.fusion`). Executors move data through the set's communicator and finish the
+:mod:`hora.common.engine.fusion`). Executors move data through the set's communicator and finish the
 entries' handles; the allreduce hands its completion to the finisher thread so that the engine
 can start the next batch while this one is on the wire.
 
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from hora.common import adasum
+from hora.common.engine import adasum
 from hora.common.engine.buffers import (
     as_bytes,
     compute_dtype,
@@ -153,7 +153,7 @@ class Allreduce:
 
 
 class AdasumAllreduce:
-    """A fused Adasum allreduce (see :mod:`hora.common.adasum`), run on the engine thread.
+    """A fused Adasum allreduce (see :mod:`hora.common.engine.adasum`), run on the engine thread.
 
     Adasum is a sequence of exchanges with partners, not one collective; allreduces still
     completing on the finisher use the same communicator, so they finish first.

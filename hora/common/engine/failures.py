@@ -19,17 +19,17 @@ import threading
 import time
 from collections.abc import Callable
 
+from hora.common.engine.negotiation import MessageTable
+from hora.common.engine.stall import StallInspector, ranks_text
 from hora.common.engine.timing import (
     DEADLOCK_PROBE_S,
     DIAGNOSE_WINDOW_S,
     PARKED_WAIT_S,
     WATCH_INTERVAL_S,
 )
+from hora.common.job.store import StoreClient, read_failure, report_failure
+from hora.common.job.store_keys import FAILURE, GenerationKeys, exit_key
 from hora.common.message import Key, key_parts, make_key
-from hora.common.negotiation import MessageTable
-from hora.common.rendezvous import StoreClient, read_failure, report_failure
-from hora.common.stall import StallInspector, ranks_text
-from hora.common.store_keys import FAILURE, GenerationKeys, exit_key
 
 logger = logging.getLogger("hora")
 

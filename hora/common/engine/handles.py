@@ -21,7 +21,7 @@ from hora.common.message import Request, RequestType
 if TYPE_CHECKING:
     import torch
 
-    from hora.common.steady import Schedule
+    from hora.common.engine.steady import Schedule
 
 # Serialises Handle._open (the finisher may deliver a result while the engine fails the job).
 _OPENING = threading.Lock()

@@ -1,7 +1,7 @@
 """The steady state's replay: a repeating step's allreduces run batch after batch, without
 negotiation, from buffers this object owns.
 
-:mod:`hora.common.steady` holds the pure parts (period detection, the schedule, the ranks'
+:mod:`hora.common.engine.steady` holds the pure parts (period detection, the schedule, the ranks'
 codes); this module runs them. It enters when the agreed history repeats, stages tensors into
 its batch buffers as they are submitted (``admit``, on the submitting thread), starts each
 batch's allreduce as soon as this rank's tensors are there (``cycle``, on the engine thread),
@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from hora.common import steady
-from hora.common.autotune import Autotuner
 from hora.common.config import Settings
+from hora.common.engine import steady
+from hora.common.engine.autotune import Autotuner
 from hora.common.engine.buffers import (
     destination,
     referenced_beyond,
@@ -32,6 +32,7 @@ from hora.common.engine.buffers import (
 )
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.intake import Intake
+from hora.common.engine.negotiation import MessageTable
 from hora.common.engine.timing import (
     PARKED_WAIT_S,
     STALL_PROBE_S,
@@ -40,10 +41,9 @@ from hora.common.engine.timing import (
     WATCH_INTERVAL_S,
 )
 from hora.common.engine.tracing import Tracer
+from hora.common.job.store import StoreClient
+from hora.common.job.store_keys import GenerationKeys
 from hora.common.message import Key, ReduceOp, Request, Response
-from hora.common.negotiation import MessageTable
-from hora.common.rendezvous import StoreClient
-from hora.common.store_keys import GenerationKeys
 from hora.common.transport import Communicator, Pending, TransportError
 
 logger = logging.getLogger("hora")
@@ -231,7 +231,7 @@ class Replay:
             period, self._settings.fusion_threshold_bytes, self.cuts, **sizes
         )
         # One buffer per batch, reused every period (no allocation, no page faults per step);
-        # after the data, one slot per rank for its code (see hora.common.steady).
+        # after the data, one slot per rank for its code (see hora.common.engine.steady).
         for batch, counts in zip(schedule.batches, schedule.sizes):
             batch_buffer = _batch_buffer(batch, counts, self.size)
             schedule.batch_buffers.append(batch_buffer)

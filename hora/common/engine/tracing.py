@@ -1,7 +1,7 @@
 """What the engine writes into the timeline: each call's negotiation and queueing, and each
 batch's copy in, collective and copy out, on the rows of its tensors.
 
-The timeline writer itself (files, rows, flushing) is :mod:`hora.common.timeline`; this module
+The timeline writer itself (files, rows, flushing) is :mod:`hora.common.timeline_writer`; this module
 knows entries and responses, and the span names of docs/timeline-format.md.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from hora.common.engine.handles import Entry
 from hora.common.message import ReduceOp, RequestType, Response, key_label
-from hora.common.timeline import ENGINE_ROW, Timeline
+from hora.common.timeline_writer import ENGINE_ROW, Timeline
 
 
 def op_label(response: Response) -> str:

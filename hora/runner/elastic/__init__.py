@@ -1,7 +1,7 @@
 """``horarun``'s elastic driver: a job that re-forms around lost workers and changing hosts.
 
 An elastic job (``--min-np``, ``--max-np`` or ``--host-discovery-script``) trains in numbered
-*rounds* (see :mod:`hora.common.elastic`, the protocol between this driver and the workers). The
+*rounds* (see :mod:`hora.common.job.rounds`, the protocol between this driver and the workers). The
 driver:
 
 * finds hosts: from ``--host-discovery-script`` (run every second by a thread; each output line is

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hora.common.elastic import (
+from hora.common.job.rounds import (
     RoundPlan,
     arrived_key,
     host_of,
@@ -22,8 +22,8 @@ from hora.common.elastic import (
     reset_requested,
     round_prefix,
 )
-from hora.common.rendezvous import StoreClient, report_failure
-from hora.common.store_keys import exit_key
+from hora.common.job.store import StoreClient, report_failure
+from hora.common.job.store_keys import exit_key
 from hora.runner.elastic.blacklist import HostManager, describe_hosts
 from hora.runner.elastic.discovery import HostWatcher
 from hora.runner.elastic.report import Ending, final_failures, job_report

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hora.common.elastic import RoundPlan
+from hora.common.job.rounds import RoundPlan
 from hora.runner.elastic.workers import Failure, Processes
 from hora.runner.supervisor import Worker
 

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from hora.common.elastic import HOSTS_ADDED, HOSTS_REMOVED, RoundPlan, host_of
+from hora.common.job.rounds import HOSTS_ADDED, HOSTS_REMOVED, RoundPlan, host_of
 from hora.common.settings_table import ELASTIC_TIMEOUT
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hora.common.elastic import ELASTIC_VAR, WORKER_ID_VAR
+from hora.common.job.rounds import ELASTIC_VAR, WORKER_ID_VAR
 from hora.runner.hosts import Slot
 from hora.runner.job import Job
 from hora.runner.supervisor import Supervisor, Worker

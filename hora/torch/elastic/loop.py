@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hora.common import basics
-from hora.common import elastic as _elastic
 from hora.common.errors import HoraInternalError, HostsUpdatedInterrupt
+from hora.common.job import rounds as _elastic
 
 logger = logging.getLogger("hora")
 
@@ -65,7 +65,7 @@ def run(func: F) -> F:
     :meth:`State.check_host_updates` raises ``HostsUpdatedInterrupt`` it keeps the current
     progress (saves it) and joins the next round. Either way it calls ``state.on_reset()`` and
     starts over: sync, then ``func``. A worker whose host was removed from the job leaves with
-    exit status 0 (``hora.common.elastic.WorkerRemoved``, a ``SystemExit``, propagates).
+    exit status 0 (``hora.common.job.rounds.WorkerRemoved``, a ``SystemExit``, propagates).
 
     Differences from Horovod:
 

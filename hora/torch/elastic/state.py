@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from hora.common import basics
-from hora.common import elastic as _elastic
 from hora.common.errors import HostsUpdatedInterrupt
-from hora.common.rendezvous import StoreClient
+from hora.common.job import rounds as _elastic
+from hora.common.job.store import StoreClient
 from hora.torch import ops
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.functions import (

@@ -4,7 +4,7 @@ This module decides which launcher started this process and turns its variables 
 :class:`Topology`. It knows nothing of transports or tensors. ``horarun`` and ``hora.run`` export
 the ``HORA_*`` variables (and their ``HOROVOD_*`` twins), read here; the variables of torchrun,
 Open MPI, MPICH, MVAPICH, SLURM's ``srun`` and torch.distributed's ``env://`` are read in
-:mod:`hora.common.launchers`. When two launchers' variables contradict each other, :func:`detect`
+:mod:`hora.common.job.launchers`. When two launchers' variables contradict each other, :func:`detect`
 refuses with both. A process started without any launcher is a job of one.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hora.common.config import lookup
-from hora.common.launchers import READERS, LauncherError, Reading, StorePlan, mpi4py_usable
+from hora.common.job.launchers import READERS, LauncherError, Reading, StorePlan, mpi4py_usable
 
 logger = logging.getLogger("hora")
 
@@ -45,7 +45,7 @@ class Topology:
         authenticated: whether ``secret`` is secret: ``False`` when no launcher handed one out
             and ``HORA_SECRET_KEY`` is not set (see docs/security.md).
         store_prefix: prefix of every key hora writes (inside a launcher's own store).
-        launch: what another launcher's variables said, while :mod:`hora.common.joining` has
+        launch: what another launcher's variables said, while :mod:`hora.common.job.joining` has
             not yet reached the store (``None`` under ``horarun`` and for a job of one).
     """
 
@@ -81,7 +81,7 @@ class Topology:
                 f"{self.source}: rank {self.rank} is outside 0..{self.size - 1} (size {self.size})."
             )
         if self.plan is not None and self.plan.exchange:
-            return  # local and cross ranks come from the exchange in hora.common.joining
+            return  # local and cross ranks come from the exchange in hora.common.job.joining
         if not 0 <= self.local_rank < self.local_size:
             raise TopologyError(
                 f"{self.source}: local rank {self.local_rank} is outside 0..{self.local_size - 1}."
@@ -250,7 +250,7 @@ def detect(
     Args:
         env: the variables to read (default: ``os.environ``).
         use_mpi4py: called with an MPI launcher's name; whether rank 0 may send the store's
-            address with mpi4py. Default: :func:`hora.common.launchers.mpi4py_usable` when reading
+            address with mpi4py. Default: :func:`hora.common.job.launchers.mpi4py_usable` when reading
             ``os.environ``, never for an explicit ``env``.
 
     Raises:
@@ -302,7 +302,7 @@ def _never(_launcher: str) -> bool:
 
 def _same_process_step(env: Mapping[str, str]) -> Reading | None:
     """The SLURM step's reading when srun itself started this MPI rank, else ``None``."""
-    from hora.common.launchers import mpi_identity, read_slurm
+    from hora.common.job.launchers import mpi_identity, read_slurm
 
     identity = mpi_identity(env)
     if identity is None:

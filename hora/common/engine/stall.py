@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
+from hora.common.engine.negotiation import MessageTable
 from hora.common.message import Key, key_label
-from hora.common.negotiation import MessageTable
 
 logger = logging.getLogger("hora")
 

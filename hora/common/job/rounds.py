@@ -3,7 +3,7 @@
 An elastic job runs in numbered *rounds*. A round is one fixed set of workers with fixed ranks;
 every membership change (a worker lost, hosts added or removed, a collective that failed) ends it
 and the driver publishes the next one. Everything goes through the job's store, signed with the
-job secret (:mod:`hora.common.rendezvous`):
+job secret (:mod:`hora.common.job.store`):
 
 ``elastic/round``
     the newest round's number (decimal), written by the driver after its plan.
@@ -37,9 +37,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from hora.common.config import lookup
-from hora.common.rendezvous import StoreClient
+from hora.common.job.store import StoreClient
+from hora.common.job.topology import Topology
 from hora.common.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
-from hora.common.topology import Topology
 
 logger = logging.getLogger("hora")
 
@@ -79,7 +79,7 @@ def arrived_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One worker's place in a round (as :class:`~hora.common.topology.Topology` has it)."""
+    """One worker's place in a round (as :class:`~hora.common.job.topology.Topology` has it)."""
 
     rank: int
     size: int

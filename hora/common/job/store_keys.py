@@ -1,6 +1,6 @@
 """Every key hora keeps in the job's store, named in one place.
 
-Keys live under the job's namespace (see :class:`hora.common.rendezvous.StoreClient`). Keys of
+Keys live under the job's namespace (see :class:`hora.common.job.store.StoreClient`). Keys of
 the whole job are constants here; keys of one engine generation (``hvd.init`` after
 ``hvd.shutdown``, or an elastic round, starts a new one) come from :class:`GenerationKeys`, so
 that a generation never reads another's values.

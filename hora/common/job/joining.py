@@ -1,8 +1,8 @@
 """Joining the job's store when a launcher other than ``horarun`` started this process.
 
-:func:`join` takes the :class:`~hora.common.topology.Topology` that
-:func:`~hora.common.topology.detect` read and returns a connected
-:class:`~hora.common.rendezvous.StoreClient` and the finished topology. On the way it:
+:func:`join` takes the :class:`~hora.common.job.topology.Topology` that
+:func:`~hora.common.job.topology.detect` read and returns a connected
+:class:`~hora.common.job.store.StoreClient` and the finished topology. On the way it:
 
 * starts the store in the process that hosts it (MPI's rank 0, the first task of a SLURM step,
   rank 0 under ``env://``), listening only on the job's address;
@@ -34,10 +34,10 @@ from datetime import timedelta
 from typing import Any
 
 from hora.common.config import lookup
-from hora.common.launchers import StorePlan, import_mpi
-from hora.common.rendezvous import StoreClient, new_secret, sign, start_store_server, verify
-from hora.common.store_keys import GenerationKeys
-from hora.common.topology import Topology, TopologyError
+from hora.common.job.launchers import StorePlan, import_mpi
+from hora.common.job.store import StoreClient, new_secret, sign, start_store_server, verify
+from hora.common.job.store_keys import GenerationKeys
+from hora.common.job.topology import Topology, TopologyError
 
 logger = logging.getLogger("hora")
 
@@ -262,7 +262,7 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
     """Connect to the job's store (starting it first where this process hosts it).
 
     Args:
-        topology: what :func:`~hora.common.topology.detect` returned.
+        topology: what :func:`~hora.common.job.topology.detect` returned.
         timeout_s: how long to wait for the store and for the other ranks.
         generation: how many times ``hvd.init`` ran before in this process (keeps keys apart).
 

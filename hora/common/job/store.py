@@ -2,7 +2,7 @@
 
 ``horarun`` runs a ``torch.distributed.TCPStore``; under other launchers rank 0 runs one, or hora
 uses the launcher's own (torchrun's agent store) under a key prefix (see
-:mod:`hora.common.joining`). That store has no access control, so hora protects what it puts
+:mod:`hora.common.job.joining`). That store has no access control, so hora protects what it puts
 there in two ways:
 
 * every key lives under a namespace derived from the per-job secret, so a process that does not
@@ -25,7 +25,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from hora.common.store_keys import FAILURE, PARKED
+from hora.common.job.store_keys import FAILURE, PARKED
 
 TAG_BYTES = 32
 

@@ -1,6 +1,6 @@
 """Autotune: try batch sizes for the steady state online and keep the fastest.
 
-With the steady state (see hora.common.steady) a training step is a replayed schedule, and what
+With the steady state (see hora.common.engine.steady) a training step is a replayed schedule, and what
 decides its speed is how the step's gradients are cut into batches: small first batches start
 communication early in backward, large ones cost fewer collectives. Horovod's autotune tunes
 the fusion threshold and the cycle time for its negotiation; in hora's steady state no cycles
@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hora.common.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from hora.common.engine.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 logger = logging.getLogger("hora")
 

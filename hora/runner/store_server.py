@@ -3,20 +3,20 @@
 A ``torch.distributed.TCPStore`` serves the job. The launcher creates the listening socket
 itself, bound only to the address the workers use (loopback for a job on this machine), and
 hands it to the store. Workers find it through ``HORA_RENDEZVOUS_ADDR``/``PORT`` and protect
-their keys with the job secret (see :mod:`hora.common.rendezvous`).
+their keys with the job secret (see :mod:`hora.common.job.store`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hora.common.rendezvous import (
+from hora.common.job.store import (
     StoreClient,
     new_secret,
     report_failure,
     start_store_server,
 )
-from hora.common.store_keys import CAUSE, exit_key
+from hora.common.job.store_keys import CAUSE, exit_key
 
 
 class RendezvousServer:

@@ -5,8 +5,8 @@ torch.distributed's ``env://`` convention) turns that launcher's environment var
 :class:`Reading`: rank and size, local rank and size where the launcher exports them, the node
 index where it has one, and a :class:`StorePlan` that says how the job's key-value store is
 reached. Readers only parse; choosing between launchers and checking that they agree is
-:mod:`hora.common.topology`'s job, and reaching the store is :mod:`hora.common.joining`'s.
-``horarun``'s own ``HORA_*`` variables are read in :mod:`hora.common.topology`.
+:mod:`hora.common.job.topology`'s job, and reaching the store is :mod:`hora.common.job.joining`'s.
+``horarun``'s own ``HORA_*`` variables are read in :mod:`hora.common.job.topology`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class StorePlan:
         prefix: key prefix for everything hora writes (inside a launcher's shared store).
         job_id: names this job: keys it apart from other jobs when no secret is available.
         mpi4py: rank 0 sends the address, port and a fresh secret to the others with
-            ``mpi4py``'s ``bcast`` (see :mod:`hora.common.joining`).
+            ``mpi4py``'s ``bcast`` (see :mod:`hora.common.job.joining`).
         exchange: local and cross ranks are not all in the variables; the ranks exchange host
             names through the store to work them out.
         how: one line for logs and errors: where the address and port came from.

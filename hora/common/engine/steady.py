@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.common import fusion
+from hora.common.engine import fusion
 from hora.common.message import ReduceOp, Request, RequestType, Response
 
 # Responses in the longest period looked for (names in one training step).
