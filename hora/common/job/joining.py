@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 from hora.common.config import lookup
+from hora.common.job import store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
 from hora.common.job.store import StoreClient, new_secret, sign, start_store_server, verify
 from hora.common.job.store_keys import GenerationKeys
@@ -172,14 +173,14 @@ def _agree_round(
         pending = set(range(1, size))
         while pending:
             for peer in sorted(pending):
-                greeting = f"{prefix}round/hello/{peer}"
+                greeting = store_keys.torchrun_hello(prefix, peer)
                 if store.check([greeting]):
                     nonce = bytes(store.get(greeting))
                     if answered.get(peer) != nonce:
                         answered[peer] = nonce
-                        key = f"{prefix}round/welcome/{nonce.hex()}"
+                        key = store_keys.torchrun_welcome(prefix, nonce)
                         store.set(key, sign(secret, token.encode(), key=key))
-                if store.check([f"{prefix}{token}/ready/{peer}"]):
+                if store.check([store_keys.torchrun_ready(prefix, token, peer)]):
                     pending.discard(peer)
             if pending and time.monotonic() > deadline:
                 raise TopologyError(_missing_ranks(sorted(pending), timeout_s))
@@ -187,8 +188,8 @@ def _agree_round(
                 time.sleep(ROUND_POLL_S)
         return token
     nonce = secrets.token_bytes(16)
-    store.set(f"{prefix}round/hello/{rank}", nonce)
-    key = f"{prefix}round/welcome/{nonce.hex()}"
+    store.set(store_keys.torchrun_hello(prefix, rank), nonce)
+    key = store_keys.torchrun_welcome(prefix, nonce)
     try:
         store.wait([key], timedelta(seconds=timeout_s))
     except RuntimeError:
@@ -197,7 +198,7 @@ def _agree_round(
             "running and calling hvd.init()? Raise HORA_START_TIMEOUT if start-up is slow."
         ) from None
     token = verify(secret, bytes(store.get(key)), what="round token", key=key).decode()
-    store.set(f"{prefix}{token}/ready/{rank}", b"1")
+    store.set(store_keys.torchrun_ready(prefix, token, rank), b"1")
     return token
 
 

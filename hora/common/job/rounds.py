@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from hora.common.config import lookup
+from hora.common.job import store_keys as keys
 from hora.common.job.store import StoreClient
 from hora.common.job.topology import Topology
 from hora.common.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
@@ -51,8 +52,8 @@ WORKER_ID_VAR = ELASTIC_ID.env
 TIMEOUT_VAR = ELASTIC_TIMEOUT.name  # read as HORA_ELASTIC_TIMEOUT or HOROVOD_ELASTIC_TIMEOUT
 DEFAULT_TIMEOUT_S = ELASTIC_TIMEOUT.default
 
-ROUND_KEY = "elastic/round"
-UPDATES_KEY = "elastic/hosts-updated"
+ROUND_KEY = keys.ELASTIC_ROUND
+UPDATES_KEY = keys.ELASTIC_HOST_UPDATES
 HOSTS_ADDED = 1
 HOSTS_REMOVED = 2
 
@@ -60,21 +61,10 @@ HOSTS_REMOVED = 2
 POLL_S = 0.02
 
 
-def plan_key(number: int) -> str:
-    return f"elastic/round/{number}/plan"
-
-
-def reset_key(number: int) -> str:
-    return f"elastic/round/{number}/reset"
-
-
-def round_prefix(number: int) -> str:
-    """The store prefix under which round ``number``'s engine keeps its keys."""
-    return f"r{number}/"
-
-
-def arrived_key(rank: int) -> str:
-    return f"elastic/arrived/{rank}"
+plan_key = keys.elastic_plan
+reset_key = keys.elastic_reset
+round_prefix = keys.elastic_round_prefix
+arrived_key = keys.elastic_arrived
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,55 @@ def exit_key(rank: int) -> str:
     return f"exit/{rank}"
 
 
+# ---------------------------------------------------------------- elastic rounds
+# (hora/common/job/rounds.py says what each holds and who writes it)
+
+# The newest round's number.
+ELASTIC_ROUND = "elastic/round"
+# The driver's latest host-change notice.
+ELASTIC_HOST_UPDATES = "elastic/hosts-updated"
+
+
+def elastic_plan(number: int) -> str:
+    """Round ``number``'s plan (workers, ranks, world size)."""
+    return f"elastic/round/{number}/plan"
+
+
+def elastic_reset(number: int) -> str:
+    """Written by a worker that asks for round ``number`` to be replaced by a new one."""
+    return f"elastic/round/{number}/reset"
+
+
+def elastic_round_prefix(number: int) -> str:
+    """The store prefix under which round ``number``'s engine keeps its keys."""
+    return f"r{number}/"
+
+
+def elastic_arrived(rank: int) -> str:
+    """Written (under the round's prefix) by rank ``rank`` once it joined its round."""
+    return f"elastic/arrived/{rank}"
+
+
+# ---------------------------------------------------------------- torchrun's store
+# Under torchrun, ranks agree on a round token in the agent's store (see joining.py); ``prefix``
+# is the run's own prefix there.
+
+
+def torchrun_hello(prefix: str, rank: int) -> str:
+    """Rank ``rank``'s greeting: a fresh nonce."""
+    return f"{prefix}round/hello/{rank}"
+
+
+def torchrun_welcome(prefix: str, nonce: bytes) -> str:
+    """Rank 0's answer to the greeting with ``nonce``: the round token, signed."""
+    return f"{prefix}round/welcome/{nonce.hex()}"
+
+
+def torchrun_ready(prefix: str, token: str, rank: int) -> str:
+    """Written by rank ``rank`` once it has the round token."""
+    return f"{prefix}{token}/ready/{rank}"
+
+
 class GenerationKeys:
     """The keys of one engine generation."""
 
