@@ -1,5 +1,5 @@
 from hora.common.engine.fusion import plan
-from hora.common.engine.negotiation import MessageTable, ResponseCache, validate
+from hora.common.engine.negotiation import InlineSlot, MessageTable, ResponseCache, validate
 from hora.common.message import CycleMessage, ReduceOp, Request, RequestType
 from hora.common.process_sets import ProcessSetTable
 
@@ -161,3 +161,21 @@ def test_fusion_packs_compatible_allreduces_up_to_threshold() -> None:
     batches = plan(responses, threshold_bytes=2048)
     assert [[r.names[0] for r in batch] for batch in batches] == [["a", "c"], ["b"], ["d"]]
     assert [len(b) for b in plan(responses, threshold_bytes=0)] == [1, 1, 1, 1]
+
+
+def test_inline_slot_follows_the_requests_of_recent_cycles() -> None:
+    slot = InlineSlot()
+    assert slot.size == 0
+    slot.after(1)
+    assert slot.size == InlineSlot.STEP
+    slot.after(InlineSlot.STEP + 1)
+    assert slot.size == 2 * InlineSlot.STEP
+    slot.after(100 * InlineSlot.LARGEST)  # a burst: the rest goes in a second allgather
+    assert slot.size == InlineSlot.LARGEST
+    slot.after(10)  # sized from the last cycle with requests, not the largest ever
+    assert slot.size == InlineSlot.STEP
+    for _ in range(InlineSlot.KEEP_CYCLES - 1):
+        slot.after(0)
+    assert slot.size == InlineSlot.STEP  # kept through a short pause
+    slot.after(0)
+    assert slot.size == 0  # idle exchanges shrink back to the bare header

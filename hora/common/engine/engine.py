@@ -35,7 +35,7 @@ from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
 from hora.common.engine.finisher import Finisher
 from hora.common.engine.handles import Entry, Handle, fail, finish
 from hora.common.engine.intake import Intake
-from hora.common.engine.negotiation import MessageTable, ResponseCache
+from hora.common.engine.negotiation import InlineSlot, MessageTable, ResponseCache
 from hora.common.engine.replay import Replay
 from hora.common.engine.stall import StallInspector
 from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S, WATCH_INTERVAL_S
@@ -91,6 +91,7 @@ class Engine:
         self._communicators: dict[int, Communicator] = {}
         self._cache = ResponseCache(settings.cache_capacity)
         self._table = MessageTable(self.process_sets)
+        self._inline = InlineSlot()
         self._stall = StallInspector(
             settings.stall_check_time_s,
             settings.stall_shutdown_time_s,
@@ -423,17 +424,28 @@ class Engine:
         for bit in bits:
             bitmap |= 1 << bit
         nbytes = (max(self._cache.capacity, 1) + 7) // 8
-        header = struct.pack("<q", len(payload)) + bitmap.to_bytes(nbytes, "little")
+        slot = self._inline.size
+        inline = payload[:slot]
+        header = (
+            struct.pack("<q", len(payload))
+            + bitmap.to_bytes(nbytes, "little")
+            + inline
+            + bytes(slot - len(inline))
+        )
         headers = self._allgather_bytes(header)
         lengths = [struct.unpack("<q", h[:8])[0] for h in headers]
-        payloads: list[bytes] = [b""] * self.size
+        start = 8 + nbytes
+        payloads = [h[start : start + min(n, slot)] for h, n in zip(headers, lengths)]
         longest = max(lengths)
-        if longest > 0:
-            padded = self._allgather_bytes(payload + bytes(longest - len(payload)))
-            payloads = [p[:n] for p, n in zip(padded, lengths)]
+        if longest > slot:
+            # What did not fit in the slot, from every rank (padded to the longest remainder).
+            rest = payload[slot:]
+            padded = self._allgather_bytes(rest + bytes(longest - slot - len(rest)))
+            payloads = [p + r[: max(0, n - slot)] for p, r, n in zip(payloads, padded, lengths)]
+        self._inline.after(longest)
         contributions: list[tuple[tuple[Request, ...], str | None]] = []
         for rank in range(self.size):
-            received = int.from_bytes(headers[rank][8:], "little")
+            received = int.from_bytes(headers[rank][8:start], "little")
             expanded: list[Request] = []
             while received:
                 low = received & -received

@@ -110,6 +110,37 @@ class ResponseCache:
         return len(self._entries)
 
 
+class InlineSlot:
+    """How many bytes of new requests ride in the header of the next control exchange.
+
+    A cycle's exchange is one allgather of fixed-size headers (lengths and response-cache
+    bits); new requests, whose size only the headers tell, took a second allgather. The header
+    now reserves a slot for them, sized from what the last cycles needed: a run of new requests
+    (unnamed calls are always new) then costs one allgather a cycle instead of two, and a
+    request larger than the slot sends only its remainder in a second one. Every rank sees the
+    same lengths, so every rank sizes the next slot alike; the slot empties after
+    ``keep_cycles`` cycles without new requests, so idle exchanges stay small.
+    """
+
+    STEP = 256
+    LARGEST = 4096
+    KEEP_CYCLES = 16
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._quiet = 0
+
+    def after(self, longest: int) -> None:
+        """Size the next slot, given the longest request payload of the cycle just exchanged."""
+        if longest > 0:
+            self._quiet = 0
+            self.size = min(self.LARGEST, -(-longest // self.STEP) * self.STEP)
+            return
+        self._quiet += 1
+        if self._quiet >= self.KEEP_CYCLES:
+            self.size = 0
+
+
 @dataclass
 class PendingName:
     """What the table knows about one name: who asked, with what, and since when."""
