@@ -113,13 +113,12 @@ class ResponseCache:
 class InlineSlot:
     """How many bytes of new requests ride in the header of the next control exchange.
 
-    A cycle's exchange is one allgather of fixed-size headers (lengths and response-cache
-    bits); new requests, whose size only the headers tell, took a second allgather. The header
-    now reserves a slot for them, sized from what the last cycles needed: a run of new requests
-    (unnamed calls are always new) then costs one allgather a cycle instead of two, and a
-    request larger than the slot sends only its remainder in a second one. Every rank sees the
+    A cycle's exchange is one allgather of headers of one size on every rank: lengths,
+    response-cache bits, and a slot for requests not in the cache, sized from what the last
+    cycle with such requests needed. A run of new requests (unnamed calls are always new) then
+    costs one allgather a cycle; only what does not fit goes in a second one. Every rank sees the
     same lengths, so every rank sizes the next slot alike; the slot empties after
-    ``keep_cycles`` cycles without new requests, so idle exchanges stay small.
+    ``KEEP_CYCLES`` cycles without new requests, so idle exchanges stay small.
     """
 
     STEP = 256

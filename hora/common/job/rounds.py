@@ -173,6 +173,8 @@ def active() -> bool:
 
 
 def timeout_s() -> float:
+    """``HORA_ELASTIC_TIMEOUT`` (or Horovod's twin) in seconds; raises ValueError if it is not a
+    number."""
     raw = lookup(TIMEOUT_VAR)
     try:
         return float(raw) if raw else DEFAULT_TIMEOUT_S

@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hora.common.job.rounds import HOSTS_ADDED, HOSTS_REMOVED, RoundPlan, host_of
+from hora.common.job.rounds import timeout_s as worker_timeout_s
 from hora.common.settings_table import ELASTIC_TIMEOUT
 
 
@@ -98,12 +99,10 @@ class Limits:
     def from_args(cls, args: argparse.Namespace) -> Limits:
         timeout = args.elastic_timeout
         if timeout is None:
-            from hora.common.config import lookup
-
-            raw = lookup(ELASTIC_TIMEOUT.name)
             try:
-                timeout = float(raw) if raw else ELASTIC_TIMEOUT.default
+                timeout = worker_timeout_s()
             except ValueError:
+                # The workers refuse the value, naming it; the driver keeps the default.
                 timeout = ELASTIC_TIMEOUT.default
         cooldown = args.blacklist_cooldown_range
         return cls(
