@@ -17,7 +17,6 @@ as in benchmarks/collectives.py; times are medians of the slowest rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -118,9 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         print(format_table(rows, size), flush=True)
         print(f"run time {time.perf_counter() - started:.1f} s", flush=True)
         if args.json:
-            with open(args.json, "w") as out:
-                json.dump({"world_size": size, "rows": rows}, out, indent=2)
-                out.write("\n")
+            harness.write_json(args.json, {"world_size": size, "rows": rows})
     dist.barrier()
     dist.destroy_process_group()
     hvd.shutdown()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -496,9 +495,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(format_table(results), flush=True)
         if args.json:
-            with open(args.json, "w") as out:
-                json.dump(results, out, indent=2)
-                out.write("\n")
+            harness.write_json(args.json, results)
     dist.barrier()
     dist.destroy_process_group()
     hvd.shutdown()

@@ -24,7 +24,6 @@ and the ratio hora/torchrun (goal: at most 1.0x, in-process recovery should beat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -263,8 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "medians": medians,
             "ratio": ratio,
         }
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=2)
+        harness.write_json(args.json, results)
     return 0
 
 

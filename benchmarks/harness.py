@@ -3,10 +3,12 @@ peer group beside hora, the slowest rank's timings, and the report's small helpe
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,3 +76,10 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 
     rule = "-" * len(line(header))
     return [rule, line(header), rule, *map(line, rows), rule]
+
+
+def write_json(path: str, results: Any) -> None:
+    """Write a benchmark's results (every sample included) to ``path``, as indented JSON."""
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(results, out, indent=2)
+        out.write("\n")

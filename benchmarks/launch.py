@@ -22,7 +22,6 @@ hora/torchrun against the goal of at most 1.0x.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -197,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(format_table(results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=2)
+        harness.write_json(args.json, results)
     return 0
 
 
