@@ -51,6 +51,30 @@ def test_more_repeats_are_needed_after_deviations() -> None:
     assert _history(names + ["a", "b"], repeats=3).period() is not None
 
 
+def test_a_long_run_of_new_names_stays_bounded_and_a_period_is_still_found() -> None:
+    # Unnamed calls give every call a new name: the history keeps a bounded tail of them, and
+    # a training loop that starts afterwards is recognised as before (after three steps: what
+    # precedes the repetitions must belong to the period).
+    history = _history([f"noname.{i}" for i in range(4 * steady.MAX_PERIOD)])
+    assert len(history.responses) <= (history.repeats + 1) * steady.MAX_PERIOD
+    assert history.period() is None
+    for name in ["a", "b", "c"] * 3:
+        history.record(_response(name))
+    period = history.period()
+    assert period is not None
+    assert [r.names[0] for r in period] == ["a", "b", "c"]
+
+
+def test_a_name_seen_again_after_the_longest_period_is_no_period() -> None:
+    names = [f"n{i}" for i in range(steady.MAX_PERIOD)]
+    history = _history(["x", *names, "x", *names, "x"], repeats=2)
+    assert history.period() is None
+    # After a clear, earlier names are forgotten.
+    history.clear()
+    history.record(_response("x"))
+    assert history.period() is None
+
+
 def test_a_change_in_a_request_breaks_the_period() -> None:
     history = _history(["a", "b"])
     history.record(_response("a"))

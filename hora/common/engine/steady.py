@@ -151,30 +151,51 @@ class Schedule:
 
 @dataclass
 class History:
-    """The agreed allreduces executed since the last thing a schedule cannot contain."""
+    """The agreed allreduces executed since the last thing a schedule cannot contain.
+
+    Recording is O(1): each name's latest position is kept, so the engine learns after every
+    cycle how far back the last response's name was agreed before without scanning the history
+    (which holds thousands of responses when every call has a new name, as unnamed calls do).
+    """
 
     responses: list[Response] = field(default_factory=list)
     repeats: int = 2
+    # The position of responses[0] since the history began (trimming advances it), each name's
+    # latest position, and the last response's distance to its name's previous one.
+    _base: int = 0
+    _last_seen: dict[str, int] = field(default_factory=dict)
+    _gap: int | None = None
 
     def record(self, response: Response) -> None:
         if not eligible(response):
-            self.responses.clear()
+            self.clear()
             return
+        name = response.names[0]
+        position = self._base + len(self.responses)
+        previous = self._last_seen.get(name)
+        self._gap = position - previous if previous is not None else None
+        self._last_seen[name] = position
         self.responses.append(response)
-        if len(self.responses) > self.repeats * MAX_PERIOD:
-            del self.responses[: len(self.responses) - self.repeats * MAX_PERIOD]
+        keep = self.repeats * MAX_PERIOD
+        if len(self.responses) > keep + MAX_PERIOD:
+            # Trimmed a period's worth at a time: deleting from the front of a list moves
+            # what remains.
+            drop = len(self.responses) - keep
+            del self.responses[:drop]
+            self._base += drop
+            self._last_seen = {n: p for n, p in self._last_seen.items() if p >= self._base}
 
     def clear(self) -> None:
         self.responses.clear()
+        self._last_seen.clear()
+        self._base = 0
+        self._gap = None
 
     def _last_gap(self) -> int | None:
-        """How many responses back the last one's name was agreed before (None: never)."""
-        responses = self.responses
-        last = responses[-1].names[0]
-        for i in range(len(responses) - 2, -1, -1):
-            if responses[i].names[0] == last:
-                return len(responses) - 1 - i
-        return None
+        """How many responses back the last one's name was agreed before (None: never, or
+        longer ago than the longest period)."""
+        gap = self._gap
+        return gap if gap is not None and gap <= MAX_PERIOD else None
 
     def _repeated(self, tail: list[Response], names: list[str]) -> bool:
         """Whether ``tail`` (named ``names``) ends the history ``repeats`` times over."""
