@@ -42,12 +42,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--models", nargs="+", choices=sorted(training.MODELS), default=sorted(training.MODELS)
     )
     parser.add_argument("--measured", type=int, default=60, help="timed steps per job")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="samples per worker (default: the model's)"
+    )
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def worker(model_name: str, warm_steps: int, measured: int, batch_size: int, out: str) -> None:
+def worker(
+    model_name: str, warm_steps: int, measured: int, batch_size: int | None, out: str
+) -> None:
     """One job's training; rank 0 writes the slowest rank's step times and autotune's choice."""
     import torch
 
@@ -61,7 +65,7 @@ def worker(model_name: str, warm_steps: int, measured: int, batch_size: int, out
     for _ in range(warm_steps):
         step()
     times = harness.slowest_rank([step() for _ in range(measured)])
-    tuner = basics.engine()._autotuner
+    tuner = basics.engine().autotuner
     if hvd.rank() == 0:
         chosen = None
         if tuner is not None:
@@ -132,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     print(
-        f"autotune vs default, {args.np} ranks, batch {args.batch_size} per worker; "
+        f"autotune vs default, {args.np} ranks, {training.batch_label(args.batch_size)}; "
         f"medians of {args.measured} steps per job, slowest rank, mean of two jobs each"
     )
     print("\n".join(harness.table(header, rows)))

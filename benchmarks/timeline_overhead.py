@@ -42,9 +42,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=80, help="timed steps per setting")
     parser.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="samples per worker (default: the model's)"
+    )
     args = parser.parse_args(argv)
-    if min(args.np, args.steps, args.block, args.batch_size) < 1 or args.warmup < 0:
+    if min(args.np, args.steps, args.block, args.batch_size or 1) < 1 or args.warmup < 0:
         parser.error("--np, --steps, --block and --batch-size must be at least 1")
     return args
 
@@ -77,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "HORA_RANK" not in os.environ:
         forwarded = ["--models", *args.models, "--steps", str(args.steps)]
         forwarded += ["--block", str(args.block), "--warmup", str(args.warmup)]
-        forwarded += ["--batch-size", str(args.batch_size)]
+        if args.batch_size is not None:
+            forwarded += ["--batch-size", str(args.batch_size)]
         return harness.relaunch(__file__, args.np, forwarded)
     import hora.torch as hvd
 
@@ -95,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hvd.shutdown()  # merges the last timeline's files while they still exist
     if rank == 0:
         print(
-            f"timeline overhead, {size} ranks, batch {args.batch_size} per worker, "
+            f"timeline overhead, {size} ranks, {training.batch_label(args.batch_size)}, "
             f"medians of {args.steps} steps per setting (slowest rank)"
         )
         header = f"{'model':<12} {'off ms':>8} {'on ms':>8} {'overhead':>9} {'KB/s':>7}  goal      result"
