@@ -226,19 +226,88 @@ def submit(
     handle = engine.handle(len(tensors), kind, grouped)
     prefix = f"grouped_{_PREFIXES[kind]}" if grouped else _PREFIXES[kind]
     base = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle.id}"
-    count = len(tensors)
-    if grouped and len({t.device for t in tensors}) > 1:
-        raise HoraValueError("Tensors in list must be on same device.")
-    entries = []
-    for index, (tensor, output) in enumerate(zip(tensors, outputs)):
-        full = f"{base}_{index + 1}of{count}" if grouped else base
-        group = (base, count) if grouped else None
-        request = describe(kind, full, tensor, set_id, group, fields)
+    if grouped and name is not None:
+        requests = _GROUPED_CALLS.requests(kind, base, tensors, set_id, fields)
+    else:
+        requests = _describe_all(kind, base, tensors, set_id, grouped, fields)
+    for tensor in tensors:
         if tensor.is_cuda:
             _engine_stream_waits_for_caller(tensor.device)
-        entries.append(Entry(request, tensor, output, handle, index))
+    entries = [
+        Entry(request, tensor, output, handle, index)
+        for index, (request, tensor, output) in enumerate(zip(requests, tensors, outputs))
+    ]
     engine.enqueue(entries)
     return handle
+
+
+def _describe_all(
+    kind: RequestType,
+    base: str,
+    tensors: Sequence[torch.Tensor],
+    set_id: int,
+    grouped: bool,
+    fields: dict[str, Any],
+) -> list[Request]:
+    """Check and describe each tensor of a call named ``base``."""
+    count = len(tensors)
+    group = (base, count) if grouped else None
+    requests = [
+        describe(
+            kind, f"{base}_{index + 1}of{count}" if grouped else base, t, set_id, group, fields
+        )
+        for index, t in enumerate(tensors)
+    ]
+    if grouped and len({t.device for t in tensors}) > 1:
+        raise HoraValueError("Tensors in list must be on same device.")
+    return requests
+
+
+class _GroupedCalls:
+    """The requests of recent named grouped calls, reused while the tensors stay alike.
+
+    A training loop makes the same grouped call every step (``DistributedOptimizer(groups=)``,
+    or a user's ``grouped_allreduce`` of a model's gradients): checking and describing each of
+    its tensors again cost about as much as the collective itself for many small tensors.
+    A call is recognised by its name, process set and fields, and each tensor's dtype, shape,
+    device, layout and contiguity, which are everything its checks and requests depend on.
+    """
+
+    CAPACITY = 64
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[Request]]] = {}
+
+    def requests(
+        self,
+        kind: RequestType,
+        base: str,
+        tensors: Sequence[torch.Tensor],
+        set_id: int,
+        fields: dict[str, Any],
+    ) -> list[Request]:
+        signature = tuple(
+            (t.dtype, t.shape, t.device, t.layout, t.is_contiguous())
+            if isinstance(t, torch.Tensor)
+            else None
+            for t in tensors
+        )
+        try:
+            key = (kind, base, set_id, tuple(sorted(fields.items())))
+            known = self._calls.get(key)
+        except TypeError:  # a field that cannot be a key: describe every time
+            known = key = None
+        if known is not None and known[0] == signature:
+            return known[1]
+        requests = _describe_all(kind, base, tensors, set_id, True, fields)
+        if key is not None:
+            if len(self._calls) >= self.CAPACITY and key not in self._calls:
+                del self._calls[next(iter(self._calls))]
+            self._calls[key] = (signature, requests)
+        return requests
+
+
+_GROUPED_CALLS = _GroupedCalls()
 
 
 def submit_reduction(

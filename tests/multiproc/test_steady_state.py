@@ -241,8 +241,7 @@ def test_an_op_outside_the_pattern_falls_back_and_the_pattern_resumes(np: int) -
     for result in run_job(_steady_worker, np, "extra_op", STEPS + 4):
         assert "errors" not in result, result
         assert result["worst"] <= TOLERANCE
-        stats = result["stats"]
-        assert stats["left"] == 1 and stats["entered"] == 2, stats
+        _assert_left_once_for_the_deviation(result["stats"])
 
 
 @pytest.mark.timeout(120)
@@ -254,8 +253,18 @@ def test_a_deviation_seen_while_some_ranks_run_the_next_batch(np: int) -> None:
     for result in run_job(_steady_worker, np, "extra_op_wait", STEPS + 4):
         assert "errors" not in result, result
         assert result["worst"] <= TOLERANCE
-        stats = result["stats"]
-        assert stats["left"] == 1 and stats["entered"] == 2, stats
+        _assert_left_once_for_the_deviation(result["stats"])
+
+
+def _assert_left_once_for_the_deviation(stats: dict[str, int]) -> None:
+    """One leave for the deviation and a return to the steady state afterwards.
+
+    Besides, a first schedule that started mid-step (where the repetition was first seen
+    depends on timing; on a loaded machine it happens) makes every rank leave once, blocked,
+    as in test_a_rank_submitting_in_another_order_stays_in_the_steady_state.
+    """
+    assert stats["left"] - stats["blocked"] == 1 and stats["blocked"] <= 1, stats
+    assert stats["entered"] == stats["left"] + 1, stats
 
 
 @pytest.mark.timeout(120)

@@ -153,3 +153,25 @@ def test_resolve_op(one_rank: None) -> None:
 def test_join_and_barrier_alone(one_rank: None) -> None:
     submission.barrier(basics.global_process_set)
     assert submission.join() == 0
+
+
+def test_a_repeated_grouped_call_reuses_its_requests_while_its_tensors_stay_alike(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _requests(monkeypatch)
+    tensors = [torch.ones(3), torch.ones(2, 2)]
+    hvd.grouped_allreduce_(tensors, name="same", op=hvd.Sum)
+    hvd.grouped_allreduce_(tensors, name="same", op=hvd.Sum)
+    assert [r is s for r, s in zip(seen[:2], seen[2:])] == [True, True]
+    # Another shape, dtype or reduction is described anew.
+    hvd.grouped_allreduce_([torch.ones(3), torch.ones(4)], name="same", op=hvd.Sum)
+    assert seen[-1].shape == (4,) and seen[-2] == seen[0]
+    hvd.grouped_allreduce_([torch.ones(3, dtype=torch.float64), torch.ones(4)], name="same")
+    assert seen[-2].dtype == "float64" and seen[-2].reduce_op == ReduceOp.AVERAGE
+    # The checks still apply to a call made before with acceptable tensors.
+    with pytest.raises(HoraValueError, match="contiguous"):
+        hvd.grouped_allreduce_([torch.ones(3), torch.ones(4, 2).t()], name="same", op=hvd.Sum)
+    with pytest.raises(HoraValueError, match="sparse"):
+        hvd.grouped_allreduce_([torch.ones(3), torch.ones(4).to_sparse()], name="same")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        hvd.grouped_allreduce_([torch.ones(3), [1.0]], name="same", op=hvd.Sum)  # type: ignore[list-item]

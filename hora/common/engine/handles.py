@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hora.common.errors import HoraInternalError
@@ -140,7 +139,7 @@ class Handle:
             self._latch.release()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """One tensor of one call: what was asked, the input, and where the result goes."""
 
@@ -149,7 +148,6 @@ class Entry:
     output: torch.Tensor | None
     handle: Handle
     index: int = 0
-    on_done: Callable[[Any], Any] | None = field(default=None)
     # The steady-state schedule whose batch buffer already holds this entry's tensor.
     staged: Schedule | None = None
     # When it was submitted (timeline microseconds; 0 when no timeline was running).
@@ -160,9 +158,7 @@ class Entry:
 
 
 def finish(entry: Entry, result: Any) -> None:
-    """Deliver one entry's result (through its ``on_done``) to its handle."""
-    if entry.on_done is not None:
-        result = entry.on_done(result)
+    """Deliver one entry's result to its handle."""
     entry.handle._set(entry.index, result)
 
 

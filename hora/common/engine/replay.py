@@ -11,6 +11,7 @@ negotiation when any rank deviates. See docs/engine.md for the protocol.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,6 @@ from hora.common.engine.buffers import (
     scale,
     storage_references,
     torch_dtype,
-    writing_to_inference,
 )
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.intake import Intake
@@ -172,6 +172,9 @@ class Replay:
         if schedule is None:
             return True
         wake = False
+        # Plain copies are made together, by one operation (a grouped call stages hundreds).
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for entry in entries:
             request = entry.request
             if not schedule.expects(request):
@@ -182,11 +185,17 @@ class Replay:
             if tensor is not None and number not in schedule.in_flight:
                 if number in schedule.lent:
                     self._claim(schedule, number)
-                _stage(schedule, number, request.name, tensor)
+                if schedule.scale_each[number] or len(entries) == 1:
+                    _stage(schedule, number, request.name, tensor)
+                else:
+                    targets.append(schedule.pieces[request.name])
+                    sources.append(tensor.detach() if tensor.requires_grad else tensor)
                 entry.staged = schedule
             if request.key in self.awaiting:
                 self.awaiting.discard(request.key)
                 wake = wake or not self.awaiting
+        if targets:
+            torch._foreach_copy_(targets, sources)
         return wake
 
     def maybe_enter(self, table: MessageTable) -> None:
@@ -656,40 +665,38 @@ def _deliver(
     their destinations (one pass over the data); many small ones are cheaper scaled in the
     buffer by one operation, then copied by another.
     """
-    destinations = [destination(entry) for entry in entries]
-    results: list[torch.Tensor | None] = list(destinations)
-    copies = []
+    # One pass over the entries (a grouped call has hundreds): results, copies, and whether a
+    # destination was made in inference mode (see writing_to_inference).
+    results: list[torch.Tensor | None] = []
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
     lent = False
-    for index, (entry, dest) in enumerate(zip(entries, destinations)):
+    inference = False
+    for entry in entries:
+        dest = destination(entry)
         if dest is None:
+            results.append(None)
             continue
         piece = pieces[entry.request.name]
-        if entry.lend and dest.is_cpu and dest.dtype == piece.dtype and not dest.is_inference():
+        if dest.is_inference():
+            inference = True
+        elif entry.lend and dest.is_cpu and dest.dtype == piece.dtype:
             # A view of its own (outside inference mode), so that the buffer's references
             # count whoever keeps it.
-            results[index] = piece.detach()
+            results.append(piece.detach())
             lent = True
-        else:
-            copies.append((dest, piece))
-    with writing_to_inference(entries):
-        each = (
-            factor != 1.0
-            and not lent
-            and data.dtype not in (torch.float16, torch.bfloat16)
-            and data.numel() >= _SCALE_EACH_FROM * max(len(entries), 1)
-        )
-        if each:
-            for dest, piece in copies:
-                if dest.device == piece.device and dest.dtype == piece.dtype:
-                    torch.mul(piece, factor, out=dest)
-                else:
-                    dest.copy_(piece.mul(factor))
-        else:
-            scaled = scale(data, factor)
-            if scaled is not data:
-                data.copy_(scaled)
-            if copies:
-                torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
+            continue
+        results.append(dest)
+        targets.append(dest)
+        sources.append(piece)
+    each = (
+        factor != 1.0
+        and not lent
+        and data.dtype not in (torch.float16, torch.bfloat16)
+        and data.numel() >= _SCALE_EACH_FROM * max(len(entries), 1)
+    )
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        _write_copies(targets, sources, data, factor, each)
     for entry, result in zip(entries, results):
         finish(entry, result)
     return lent
@@ -699,6 +706,29 @@ def _deliver(
 # buffer by one operation (measured: 29 tensors of 2.7k elements on average took half the time
 # scaled in the buffer first; 6 of 310k took a fifth more).
 _SCALE_EACH_FROM = 1 << 16
+
+
+def _write_copies(
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    data: torch.Tensor,
+    factor: float,
+    each: bool,
+) -> None:
+    """Write a delivered batch's pieces (``sources``, views of ``data``) into ``targets``,
+    scaled by ``factor``: one by one (``each``), or the buffer at once and then the copies."""
+    if each:
+        for dest, piece in zip(targets, sources):
+            if dest.device == piece.device and dest.dtype == piece.dtype:
+                torch.mul(piece, factor, out=dest)
+            else:
+                dest.copy_(piece.mul(factor))
+        return
+    scaled = scale(data, factor)
+    if scaled is not data:
+        data.copy_(scaled)
+    if targets:
+        torch._foreach_copy_(targets, sources)
 
 
 def _stage(schedule: steady.Schedule, number: int, name: str, tensor: torch.Tensor) -> None:
