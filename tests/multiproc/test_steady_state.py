@@ -355,3 +355,45 @@ def test_a_step_of_one_large_tensor_stays_negotiated() -> None:
         assert result["worst"] <= TOLERANCE
         assert result["large"]["entered"] == 0, result
         assert result["small"]["entered"] == 1 and result["small"]["batches"] >= 3, result
+
+
+def _phases_worker(phases: int, steps: int) -> dict[str, Any]:
+    """Several phases, each a training loop of its own names (as a job training one model
+    after another); for each, whether the steady state runs at its fourth step."""
+    import torch
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    engine = basics._state.engine
+    assert engine is not None
+    out: dict[str, Any] = {"worst": 0.0, "active_at_step_4": []}
+    sizes = (300, 70_000, 20)
+    for phase in range(phases):
+        for step in range(steps):
+            tensors = [(torch.arange(n) % 3 + rank + step).float() for n in sizes]
+            handles = [
+                hvd.allreduce_async_(t, name=f"phase{phase}.{i}", op=hvd.Sum)
+                for i, t in enumerate(tensors)
+            ]
+            for n, t, h in zip(sizes, tensors, handles):
+                hvd.synchronize(h)
+                want = ((torch.arange(n) % 3 + step) * size + sum(range(size))).float()
+                out["worst"] = max(out["worst"], float((t - want).abs().max()))
+            if step == 3:
+                out["active_at_step_4"].append(engine.replay.active)
+    out["stats"] = dict(engine.steady_stats)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_each_phase_of_a_job_reaches_the_steady_state_as_quickly_as_the_first() -> None:
+    # Leaving a schedule that ran for many steps is a new phase (another model, an evaluation
+    # loop), not a pattern that keeps changing: the next phase needs no more repetitions.
+    for result in run_job(_phases_worker, 2, 4, 25):
+        assert result["worst"] == 0.0, result
+        assert result["active_at_step_4"] == [True, True, True, True], result
+        assert result["stats"]["entered"] == 4 and result["stats"]["left"] == 3, result

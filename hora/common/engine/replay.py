@@ -148,6 +148,11 @@ class Replay:
         # Steady-state data allreduces issued so far: every rank issues the same ones, so the
         # count names a batch across ranks (for stall reports).
         self._started_batches = 0
+        # Periods the current schedule completed, and leaves since the last schedule that ran
+        # long enough to count as stable (both the same on every rank: they follow from the
+        # batches every rank lands).
+        self._periods = 0
+        self._unstable_leaves = 0
         intake.on_poll = self.note_polled
 
     @property
@@ -217,6 +222,7 @@ class Replay:
             return
         schedule = self._build_schedule(period)
         self._period_started = 0.0
+        self._periods = 0
         self.history.clear()
         self.stats["entered"] += 1
         self._tracer.mark("STEADY_STATE_ENTER")
@@ -283,6 +289,7 @@ class Replay:
 
     def _period_finished(self, schedule: steady.Schedule) -> None:
         """The schedule wrapped around: one step is done. Feed autotune."""
+        self._periods += 1
         now = time.monotonic()
         started, self._period_started = self._period_started, now
         tuner = self.autotuner
@@ -643,8 +650,15 @@ class Replay:
         if steady.DEVIATED not in codes:
             self.stats["blocked"] += 1
         self._tracer.mark("STEADY_STATE_LEAVE")
-        # One more period for every deviation so far before the schedule comes back (at most 10).
-        self.history.repeats = min(2 + self.stats["left"], 10)
+        # One more period before the schedule comes back for every leave since the last stable
+        # schedule (at most 10), so that a pattern that keeps changing is not replayed in vain.
+        # A schedule that ran STABLE_PERIODS periods ended a phase of the job (another model,
+        # an evaluation loop): the next phase's pattern is taken up as quickly as the job's first.
+        if self._periods >= steady.STABLE_PERIODS:
+            self._unstable_leaves = 0
+        else:
+            self._unstable_leaves += 1
+        self.history.repeats = min(2 + self._unstable_leaves, 10)
         logger.debug(
             "rank %d: leaving the steady state (ranks' codes %s; here: %s)",
             self.rank,

@@ -27,6 +27,9 @@ from hora.common.message import ReduceOp, Request, RequestType, Response
 
 # Responses in the longest period looked for (names in one training step).
 MAX_PERIOD = 4096
+# A schedule replayed for this many periods was stable: leaving it starts a new phase of the
+# job rather than showing a pattern that keeps changing (see Replay._leave).
+STABLE_PERIODS = 20
 # Batches are cut at this size (or the fusion threshold, if smaller) so that communication
 # of the first gradients overlaps the rest of backward.
 BUCKET_BYTES = 25 * 1024 * 1024
