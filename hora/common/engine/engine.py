@@ -483,10 +483,10 @@ class Engine:
         )
         # Results are written into the caller's tensors (parameters among them) outside autograd.
         with torch.no_grad():
-            for number, batch in enumerate(plan, 1):
-                self._execute_batch(batch, last=number == len(plan))
+            for batch in plan:
+                self._execute_batch(batch)
 
-    def _execute_batch(self, batch: list[Response], last: bool = False) -> None:
+    def _execute_batch(self, batch: list[Response]) -> None:
         head = batch[0]
         number = self.tracer.next_batch()
         tracer = self.tracer
@@ -516,9 +516,6 @@ class Engine:
             number,
             tracer,
             self._finisher,
-            # The last batch of the cycle, a user blocked on it, nothing else to do: completed
-            # here, it reaches the user without a hand-off to the finisher thread.
-            last and self._finisher.idle and self.intake.blocks_on(entries),
         )
         if head.kind == RequestType.ALLREDUCE:
             # A destination made in inference mode is written in inference mode.

@@ -50,8 +50,6 @@ class Run:
         number: the batch's number (the same collective on every rank).
         tracer: the timeline, if one is written.
         finisher: the thread that completes asynchronous collectives.
-        finish_inline: complete the batch on the engine thread (a user is blocked on it and
-            nothing else is pending or queued) instead of on the finisher.
     """
 
     batch: list[Response]
@@ -62,7 +60,6 @@ class Run:
     number: int
     tracer: Tracer
     finisher: Finisher
-    finish_inline: bool = False
 
     @property
     def head(self) -> Response:
@@ -152,11 +149,7 @@ class Allreduce:
                 nbytes = flat.numel() * flat.itemsize
                 tracer.collective(entries, "ALLREDUCE", number, times, nbytes)
 
-        pending_entries = [e for e in entries if e is not None]
-        if run.finish_inline:
-            run.finisher.complete_now(pending, complete, pending_entries)
-        else:
-            run.finisher.add(pending, complete, pending_entries)
+        run.finisher.add(pending, complete, [e for e in entries if e is not None])
 
 
 class AdasumAllreduce:

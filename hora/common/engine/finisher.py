@@ -54,30 +54,6 @@ class Finisher(threading.Thread):
             self._items.append((pending, complete, entries))
             self._cv.notify_all()
 
-    @property
-    def idle(self) -> bool:
-        """Whether nothing started is waiting to be completed."""
-        return not self._items
-
-    def complete_now(
-        self, pending: Pending, complete: Callable[[], None], entries: list[Entry]
-    ) -> None:
-        """Wait for ``pending`` and complete it on the calling thread; ``entries`` fail if it
-        fails. The engine calls it for a batch a user is blocked on when nothing else is
-        pending: a hand-off to this thread would cost the user a thread wake-up."""
-        error: str | None = None
-        try:
-            pending.wait()
-            with torch.no_grad():
-                complete()
-        except TransportError as exc:
-            error = self._transport_failed(str(exc))
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
-            logger.exception("hora could not complete an allreduce on rank %d", self._rank)
-            error = f"rank {self._rank}: completing an allreduce failed: {exc!r}"
-        if error is not None:
-            fail(entries, error)
-
     def drain(self) -> None:
         """Return when everything started so far has completed or failed."""
         if self is threading.current_thread():
@@ -100,7 +76,18 @@ class Finisher(threading.Thread):
                 if not self._items:
                     return
                 pending, complete, entries = self._items[0]
-            self.complete_now(pending, complete, entries)
+            error: str | None = None
+            try:
+                pending.wait()
+                with torch.no_grad():
+                    complete()
+            except TransportError as exc:
+                error = self._transport_failed(str(exc))
+            except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
+                logger.exception("hora could not complete an allreduce on rank %d", self._rank)
+                error = f"rank {self._rank}: completing an allreduce failed: {exc!r}"
+            if error is not None:
+                fail(entries, error)
             with self._cv:
                 self._items.popleft()
                 self._cv.notify_all()

@@ -91,14 +91,6 @@ class Intake:
             if self.steady:
                 self.wakeup.notify_all()
 
-    def blocks_on(self, entries: Sequence[Entry | None]) -> bool:
-        """Whether a thread is blocked on one of these entries' handles and no new entry waits
-        in the queue."""
-        with self.wakeup:
-            if self.queue:
-                return False
-            return any(e is not None and e.handle in self.blocked for e in entries)
-
     def polled(self) -> None:
         with self.wakeup:
             if self.on_poll is not None:
