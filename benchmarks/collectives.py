@@ -378,6 +378,10 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
+def latency_label(row: dict[str, Any]) -> str:
+    return f"latency {size_label(row['bytes'])}{'' if row['named'] else ', unnamed'}"
+
+
 def format_table(results: dict[str, Any]) -> str:
     header = ("benchmark", "hora", "raw gloo", "hora vs raw", "goal", "result")
     rows: list[tuple[str, ...]] = []
@@ -406,7 +410,7 @@ def format_table(results: dict[str, Any]) -> str:
     for row in results["latency"]:
         rows.append(
             (
-                f"latency {size_label(row['bytes'])}{'' if row['named'] else ', unnamed'}",
+                latency_label(row),
                 duration(row["hora_s"]),
                 duration(row["raw_s"]),
                 f"{row['extra_us']:+.0f} us",
@@ -447,13 +451,7 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         for r in results["allreduce_bandwidth"]
     ]
     items.append({"name": "fusion of 300 small allreduces", "pass": results["fusion"]["pass"]})
-    items += [
-        {
-            "name": f"latency {size_label(r['bytes'])}{'' if r['named'] else ' unnamed'}",
-            "pass": r["pass"],
-        }
-        for r in results["latency"]
-    ]
+    items += [{"name": latency_label(r), "pass": r["pass"]} for r in results["latency"]]
     items += [
         {"name": f"{r['tensors']} small allreduces, {r['way']}", "pass": r["pass"]}
         for r in results["small_ops"]

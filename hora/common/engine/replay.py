@@ -177,9 +177,7 @@ class Replay:
         if schedule is None:
             return True
         wake = False
-        # Plain copies are made together, by one operation (a grouped call stages hundreds).
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
+        staged: list[tuple[int, str, torch.Tensor]] = []
         for entry in entries:
             request = entry.request
             if not schedule.expects(request):
@@ -190,17 +188,12 @@ class Replay:
             if tensor is not None and number not in schedule.in_flight:
                 if number in schedule.lent:
                     self._claim(schedule, number)
-                if schedule.scale_each[number] or len(entries) == 1:
-                    _stage(schedule, number, request.name, tensor)
-                else:
-                    targets.append(schedule.pieces[request.name])
-                    sources.append(tensor.detach() if tensor.requires_grad else tensor)
+                staged.append((number, request.name, tensor))
                 entry.staged = schedule
             if request.key in self.awaiting:
                 self.awaiting.discard(request.key)
                 wake = wake or not self.awaiting
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        _stage(schedule, staged)
         return wake
 
     def maybe_enter(self, table: MessageTable) -> None:
@@ -376,9 +369,16 @@ class Replay:
         if code == steady.FOLLOWING:
             # Tensors are staged as they are submitted (see admit), except those submitted
             # while this buffer was still on the wire.
-            for entry in entries:
-                if entry is not None and entry.tensor is not None and entry.staged is not schedule:
-                    _stage(schedule, position, entry.request.name, entry.tensor)
+            _stage(
+                schedule,
+                [
+                    (position, entry.request.name, entry.tensor)
+                    for entry in entries
+                    if entry is not None
+                    and entry.tensor is not None
+                    and entry.staged is not schedule
+                ],
+            )
             if not schedule.scale_each[position]:
                 scaled = scale(data, schedule.factors[position])
                 if scaled is not data:
@@ -745,19 +745,26 @@ def _write_copies(
         torch._foreach_copy_(targets, sources)
 
 
-def _stage(schedule: steady.Schedule, number: int, name: str, tensor: torch.Tensor) -> None:
-    """Copy ``tensor`` into its piece of batch ``number``'s buffer, scaled when the batch's
-    tensors are scaled one by one (see ``Schedule.scale_each``)."""
-    # detach(), not no_grad(): a gradient needs neither, and the mode switch costs more than
-    # the copy of a small tensor.
-    source = tensor.detach() if tensor.requires_grad else tensor
-    piece = schedule.pieces[name]
-    if not schedule.scale_each[number]:
-        piece.copy_(source)
-    elif source.device == piece.device:
-        torch.mul(source, schedule.factors[number], out=piece)
-    else:
-        piece.copy_(source).mul_(schedule.factors[number])
+def _stage(schedule: steady.Schedule, staged: list[tuple[int, str, torch.Tensor]]) -> None:
+    """Copy each ``(batch number, name, tensor)`` into its piece of the batch's buffer, scaled
+    when the batch's tensors are scaled one by one (see ``Schedule.scale_each``). The plain
+    copies are made together, by one operation: a grouped call stages hundreds."""
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    for number, name, tensor in staged:
+        # detach(), not no_grad(): a gradient needs neither, and the mode switch costs more
+        # than the copy of a small tensor.
+        source = tensor.detach() if tensor.requires_grad else tensor
+        piece = schedule.pieces[name]
+        if not schedule.scale_each[number]:
+            targets.append(piece)
+            sources.append(source)
+        elif source.device == piece.device:
+            torch.mul(source, schedule.factors[number], out=piece)
+        else:
+            piece.copy_(source).mul_(schedule.factors[number])
+    if targets:
+        torch._foreach_copy_(targets, sources)
 
 
 class _BatchBuffer(NamedTuple):
