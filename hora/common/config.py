@@ -81,6 +81,8 @@ class Settings:
         fusion_threshold_bytes: largest fused buffer; 0 turns fusion off.
         cycle_time_ms: shortest interval between two negotiation cycles.
         cache_capacity: entries of the response cache; 0 turns it off.
+        carry_threshold_bytes: largest CPU allreduce carried in the negotiation exchange
+            (reduced on every rank without a second round trip); 0 turns it off.
         stall_check_enabled: whether the stall inspector runs.
         stall_check_time_s: warn when some ranks waited this long for others.
         stall_shutdown_time_s: shut the job down after a stall this long (0: never); by default
@@ -101,6 +103,7 @@ class Settings:
     fusion_threshold_bytes: int = table.FUSION_THRESHOLD.default
     cycle_time_ms: float = table.CYCLE_TIME.default
     cache_capacity: int = table.CACHE_CAPACITY.default
+    carry_threshold_bytes: int = table.CARRY_THRESHOLD.default
     stall_check_enabled: bool = not table.STALL_CHECK_DISABLE.default
     stall_check_time_s: float = table.STALL_CHECK_TIME_SECONDS.default
     stall_shutdown_time_s: float = table.STALL_SHUTDOWN_TIME_SECONDS.default
@@ -128,6 +131,7 @@ class Settings:
             fusion_threshold_bytes=read(table.FUSION_THRESHOLD, env),
             cycle_time_ms=read(table.CYCLE_TIME, env),
             cache_capacity=read(table.CACHE_CAPACITY, env),
+            carry_threshold_bytes=read(table.CARRY_THRESHOLD, env),
             stall_check_enabled=not read(table.STALL_CHECK_DISABLE, env),
             stall_check_time_s=check_time_s,
             stall_shutdown_time_s=read(
@@ -161,6 +165,7 @@ SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
     "fusion_threshold_bytes": table.FUSION_THRESHOLD,
     "cycle_time_ms": table.CYCLE_TIME,
     "cache_capacity": table.CACHE_CAPACITY,
+    "carry_threshold_bytes": table.CARRY_THRESHOLD,
     "stall_check_enabled": table.STALL_CHECK_DISABLE,
     "stall_check_time_s": table.STALL_CHECK_TIME_SECONDS,
     "stall_shutdown_time_s": table.STALL_SHUTDOWN_TIME_SECONDS,

@@ -166,6 +166,13 @@ CYCLE_TIME = Variable(
     "joins the next cycle. A rank with new work starts a cycle at once.",
     bounds=NON_NEGATIVE, unit="milliseconds",
 )  # fmt: skip
+CARRY_THRESHOLD = Variable(
+    "CARRY_THRESHOLD", INTEGER, 1024,
+    "Allreduces of CPU tensors up to this many bytes travel inside the negotiation exchange and "
+    "are reduced on every rank, saving a second round trip. `0` turns it off. See "
+    "[docs/engine.md](engine.md#small-allreduces-one-round-trip).",
+    bounds=Bounds(0, 4096), unit="bytes", horovod=False,
+)  # fmt: skip
 CACHE_CAPACITY = Variable(
     "CACHE_CAPACITY", INTEGER, 1024,
     "Response cache entries: how many repeated ops travel as one bit each. `0` turns the cache "
@@ -359,6 +366,7 @@ ELASTIC_TIMEOUT = Variable(
 VARIABLES: tuple[Variable[Any], ...] = (
     FUSION_THRESHOLD,
     CYCLE_TIME,
+    CARRY_THRESHOLD,
     CACHE_CAPACITY,
     STALL_CHECK_DISABLE,
     STALL_CHECK_TIME_SECONDS,

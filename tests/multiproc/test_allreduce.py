@@ -2,7 +2,10 @@
 forms, and autograd.
 
 One job per world size runs every call (spawning workers is the slow part); each test then
-checks one behaviour against references rebuilt in this process from every rank's input.
+checks one behaviour against references rebuilt in this process from every rank's input. Every
+world size runs twice: as configured by default, where these small tensors are mostly reduced
+from bytes carried in the negotiation exchange, and with ``HORA_CARRY_THRESHOLD=0``, where every
+one runs as a Gloo collective.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def _allreduce_worker(cases: list[Case]) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
+    from hora.common.basics import engine as hvd_engine
 
     hvd.init()
     rank = hvd.rank()
@@ -140,6 +144,9 @@ def _allreduce_worker(cases: list[Case]) -> dict[str, Any]:
     )
     out["grouped_inplace_async_returns_inputs"] = [r is t for r, t in zip(returned, in_place_async)]
     out["grouped_inplace_async"] = in_place_async
+    # Before the autograd calls below, which ask for the gradient's allreduce from autograd's
+    # thread: counted here, the number is the same on every rank.
+    out["carried"] = hvd_engine().carried
 
     # Autograd: d/dx_r of sum_s(w_s * allreduce(x)) is allreduce(w).
     for op in ("Sum", "Average"):
@@ -153,10 +160,23 @@ def _allreduce_worker(cases: list[Case]) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, True), (3, True), (2, False), (3, False)],
+    ids=lambda p: f"np{p[0]}" + ("" if p[1] else "-collective"),
+)
 def job(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    np = request.param
-    return np, run_job(_allreduce_worker, np, MATRIX + SCALED)
+    np, carry = request.param
+    env = None if carry else {"HORA_CARRY_THRESHOLD": "0"}
+    ranks = run_job(_allreduce_worker, np, MATRIX + SCALED, env=env)
+    carried = {observed["carried"] for observed in ranks}
+    assert len(carried) == 1, f"ranks counted different carried allreduces: {carried}"
+    if carry:
+        # Each run of named calls starts as a collective, then rides in the exchange.
+        assert carried.pop() > len(MATRIX), "small allreduces were not carried"
+    else:
+        assert carried == {0}
+    return np, ranks
 
 
 def _expected(np: int, case: Case) -> torch.Tensor:

@@ -90,3 +90,20 @@ def test_adasum_exchange_tree_matches_the_tree_in_one_process(size: int, counts:
     for result in results:
         torch.testing.assert_close(result, expected, rtol=1e-12, atol=1e-12)
         assert torch.equal(result, results[0])  # every rank gets the same bits
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
+def test_allgather_bytes_gives_every_member_every_header(size: int) -> None:
+    """Recursive doubling for 1, 2, 4, 8 members, the library's allgather otherwise: the same
+    answer, twice in a row on one group (the exchanges of one call must not leak into the
+    next)."""
+    from hora.common.transport import allgather_bytes
+
+    def work(comm: LocalCommunicator) -> list[list[bytes]]:
+        first = allgather_bytes(comm, bytes([comm.rank]) * 5)
+        second = allgather_bytes(comm, bytes([100 + comm.rank, 7, 7]))
+        return [first, second]
+
+    for first, second in _on_threads(size, work):
+        assert first == [bytes([r]) * 5 for r in range(size)]
+        assert second == [bytes([100 + r, 7, 7]) for r in range(size)]

@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 from hora.common.config import Settings
-from hora.common.engine import fusion, steady
+from hora.common.engine import carry, fusion, steady
 from hora.common.engine.autotune import Autotuner
-from hora.common.engine.buffers import writing_to_inference
+from hora.common.engine.buffers import destination, writing_to_inference
 from hora.common.engine.executors import Run, executor_for
 from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
 from hora.common.engine.finisher import Finisher
@@ -44,10 +44,10 @@ from hora.common.errors import HoraInternalError, shut_down_message
 from hora.common.job.store import StoreClient, sign
 from hora.common.job.store_keys import CAUSE, PARKED, GenerationKeys
 from hora.common.job.topology import Topology
-from hora.common.message import CycleMessage, Request, RequestType, Response
+from hora.common.message import CycleMessage, Key, Request, RequestType, Response
 from hora.common.process_sets import ProcessSetTable
 from hora.common.timeline_writer import Timeline
-from hora.common.transport import Communicator, TransportError
+from hora.common.transport import Communicator, TransportError, allgather_bytes
 
 logger = logging.getLogger("hora")
 
@@ -92,6 +92,7 @@ class Engine:
         self._cache = ResponseCache(settings.cache_capacity)
         self._table = MessageTable(self.process_sets)
         self._inline = InlineSlot()
+        self._carrier = carry.Carrier(settings.carry_threshold_bytes if topology.size > 1 else 0)
         self._stall = StallInspector(
             settings.stall_check_time_s,
             settings.stall_shutdown_time_s,
@@ -239,6 +240,11 @@ class Engine:
         return self.replay.stats
 
     @property
+    def carried(self) -> int:
+        """How many allreduces were reduced from bytes carried in the exchange (see carry.py)."""
+        return self._carrier.reduced
+
+    @property
     def autotuner(self) -> Autotuner | None:
         return self.replay.autotuner
 
@@ -308,13 +314,14 @@ class Engine:
         self._wait_for_turn()
         if self.tracer.timeline is not None and self.tracer.timeline.mark_cycles:
             self.tracer.mark("CYCLE_START")
-        contributions = self._exchange(self.intake.drain())
+        contributions, carried = self._exchange(self.intake.drain())
         shutdown_reason = self._integrate(contributions)
         responses = self._table.ready(self._cache)
         self.tracer.agreed_at = self.tracer.now()
         had_news = any(reqs for reqs, _ in contributions) or bool(responses)
         self._idle_cycles = 0 if had_news else self._idle_cycles + 1
-        self._execute(responses)
+        self._execute(responses, carried)
+        self._carrier.keep_only(self._table.pending)
         self._last_cycle_end = time.monotonic()
         if shutdown_reason is not None:
             # Collectives started before the shutdown was agreed still deliver their results.
@@ -406,8 +413,16 @@ class Engine:
 
     # ----------------------------------------------------------------- negotiation
 
-    def _exchange(self, new: list[Entry]) -> list[tuple[tuple[Request, ...], str | None]]:
-        """Every rank's new requests this cycle, in rank order."""
+    def _exchange(
+        self, new: list[Entry]
+    ) -> tuple[list[tuple[tuple[Request, ...], str | None]], list[dict[Key, bytes]]]:
+        """Every rank's new requests this cycle, and the small allreduces' bytes it carried
+        (see carry.py), in rank order.
+
+        The header every rank contributes: its payload's length, the bytes its carried
+        allreduces wanted, the response-cache bitmap, the request slot, the carried slot.
+        """
+        self._carrier.add(new)
         bits: list[int] = []
         full: list[Request] = []
         for entry in new:
@@ -418,7 +433,7 @@ class Engine:
                 bits.append(bit)
         message = CycleMessage(tuple(full), tuple(bits), self.intake.shutdown_reason)
         if self.size == 1:
-            return [(tuple(entry.request for entry in new), message.shutdown)]
+            return [(tuple(entry.request for entry in new), message.shutdown)], [{}]
         payload = message.encode_payload()
         bitmap = 0
         for bit in bits:
@@ -426,15 +441,21 @@ class Engine:
         nbytes = (max(self._cache.capacity, 1) + 7) // 8
         slot = self._inline.size
         inline = payload[:slot]
+        carried, wanted = self._carrier.section()
         header = (
-            struct.pack("<q", len(payload))
+            struct.pack("<qq", len(payload), wanted)
             + bitmap.to_bytes(nbytes, "little")
             + inline
             + bytes(slot - len(inline))
+            + carried
         )
         headers = self._allgather_bytes(header)
-        lengths = [struct.unpack("<q", h[:8])[0] for h in headers]
-        start = 8 + nbytes
+        lengths = [struct.unpack_from("<q", h)[0] for h in headers]
+        start = 16 + nbytes
+        sections: list[dict[Key, bytes]] = [{}] * self.size
+        if carried:
+            sections = [self._carried(rank, h[start + slot :]) for rank, h in enumerate(headers)]
+        self._carrier.slot.after(max(struct.unpack_from("<q", h, 8)[0] for h in headers))
         payloads = [h[start : start + min(n, slot)] for h, n in zip(headers, lengths)]
         longest = max(lengths)
         if longest > slot:
@@ -443,26 +464,38 @@ class Engine:
             padded = self._allgather_bytes(rest + bytes(longest - slot - len(rest)))
             payloads = [p + r[: max(0, n - slot)] for p, r, n in zip(payloads, padded, lengths)]
         self._inline.after(longest)
-        contributions: list[tuple[tuple[Request, ...], str | None]] = []
-        for rank in range(self.size):
-            received = int.from_bytes(headers[rank][8:start], "little")
-            expanded: list[Request] = []
-            while received:
-                low = received & -received
-                expanded.append(self._cache.expand(low.bit_length() - 1, rank))
-                received ^= low
-            try:
-                requests, shutdown = CycleMessage.decode_payload(payloads[rank])
-            except ValueError as exc:
-                raise HoraInternalError(f"rank {rank} sent a malformed message: {exc}") from exc
-            contributions.append((tuple(expanded) + requests, shutdown))
-        return contributions
+        contributions = [
+            self._contribution(rank, headers[rank][16:start], payloads[rank])
+            for rank in range(self.size)
+        ]
+        return contributions, sections
+
+    @staticmethod
+    def _carried(rank: int, section: bytes) -> dict[Key, bytes]:
+        try:
+            return carry.parse(section)
+        except ValueError as exc:
+            raise HoraInternalError(f"rank {rank} sent malformed carried tensors: {exc}") from exc
+
+    def _contribution(
+        self, rank: int, bitmap: bytes, payload: bytes
+    ) -> tuple[tuple[Request, ...], str | None]:
+        """One rank's requests (its cache bits expanded, then its full requests) and shutdown
+        reason."""
+        received = int.from_bytes(bitmap, "little")
+        expanded: list[Request] = []
+        while received:
+            low = received & -received
+            expanded.append(self._cache.expand(low.bit_length() - 1, rank))
+            received ^= low
+        try:
+            requests, shutdown = CycleMessage.decode_payload(payload)
+        except ValueError as exc:
+            raise HoraInternalError(f"rank {rank} sent a malformed message: {exc}") from exc
+        return tuple(expanded) + requests, shutdown
 
     def _allgather_bytes(self, data: bytes) -> list[bytes]:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outputs = [torch.empty_like(buffer) for _ in range(self.size)]
-        self._control.allgather(outputs, buffer)
-        return [o.numpy().tobytes() for o in outputs]
+        return allgather_bytes(self._control, data)
 
     def _integrate(self, contributions: list[tuple[tuple[Request, ...], str | None]]) -> str | None:
         reason: str | None = None
@@ -475,9 +508,14 @@ class Engine:
 
     # ----------------------------------------------------------------- execution
 
-    def _execute(self, responses: list[Response]) -> None:
-        """Run the agreed responses as fused batches, in order, each by its executor."""
+    def _execute(self, responses: list[Response], carried: list[dict[Key, bytes]]) -> None:
+        """Run the agreed responses: those whose bytes every member carried in this cycle's
+        exchange are reduced here; the others run as fused batches, in order, each by its
+        executor."""
         self.replay.record(responses)
+        if any(carried):
+            with torch.no_grad():
+                responses = [r for r in responses if not self._reduce_carried(r, carried)]
         plan = fusion.plan(
             responses, self.settings.fusion_threshold_bytes, self.settings.disable_group_fusion
         )
@@ -528,6 +566,37 @@ class Engine:
             tracer.collective(
                 entries, head.kind.name, number, (start, start, end, end), head.num_bytes
             )
+
+    def _reduce_carried(self, response: Response, carried: list[dict[Key, bytes]]) -> bool:
+        """Reduce ``response`` from the bytes every member carried; whether it was (the same
+        answer on every rank)."""
+        set_id = response.process_set_id
+        if not self.process_sets.contains(set_id):
+            return False
+        members = self.process_sets.members(set_id)
+        parts = carry.carried_parts(response, members, carried)
+        if parts is None:
+            return False
+        number = self.tracer.next_batch()
+        self._carrier.reduced += 1
+        if self.rank not in members:
+            return True
+        (entry,) = self.intake.take(response.keys)
+        if entry is None:
+            return True
+        tracer = self.tracer
+        start = tracer.negotiated([response], [entry]) if tracer.timeline is not None else 0
+        result = carry.reduce_parts(response.template(), parts)
+        dest = destination(entry)
+        assert dest is not None
+        with writing_to_inference([entry]):
+            dest.copy_(result)
+        finish(entry, dest)
+        if tracer.timeline is not None:
+            end = tracer.now()
+            nbytes = result.numel() * result.element_size()
+            tracer.collective([entry], "ALLREDUCE", number, (start, start, end, end), nbytes)
+        return True
 
     def _change_process_set(self, response: Response) -> None:
         template = response.template()

@@ -125,7 +125,8 @@ class InlineSlot:
     LARGEST = 4096
     KEEP_CYCLES = 16
 
-    def __init__(self) -> None:
+    def __init__(self, largest: int = LARGEST) -> None:
+        self.largest = largest
         self.size = 0
         self._quiet = 0
 
@@ -133,7 +134,7 @@ class InlineSlot:
         """Size the next slot, given the longest request payload of the cycle just exchanged."""
         if longest > 0:
             self._quiet = 0
-            self.size = min(self.LARGEST, -(-longest // self.STEP) * self.STEP)
+            self.size = min(self.largest, -(-longest // self.STEP) * self.STEP)
             return
         self._quiet += 1
         if self._quiet >= self.KEEP_CYCLES:

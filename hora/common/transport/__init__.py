@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
+
 from hora.common.message import ReduceOp
 
 
@@ -75,3 +77,35 @@ class Communicator(Protocol):
 
     def abort(self) -> None:
         """Fail every operation in flight, now, so blocked callers return."""
+
+
+def allgather_bytes(comm: Communicator, data: bytes) -> list[bytes]:
+    """Every member's ``data`` (the same length on every member), in member order.
+
+    With a power-of-two number of members this is recursive doubling over :meth:`sendrecv`:
+    ``log2(size)`` exchanges with one partner each, where the library's allgather takes
+    ``size - 1`` ring steps. For the few hundred bytes of a negotiation header between two
+    processes, one exchange costs about half of Gloo's allgather. Other sizes use the allgather.
+    """
+    size, rank, length = comm.size, comm.rank, len(data)
+    gathered = torch.empty(size * length, dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if length else gathered[:0]
+    if size & (size - 1):
+        outputs = list(gathered.split(length)) if length else []
+        comm.allgather(outputs, mine)
+    else:
+        gathered[rank * length : (rank + 1) * length] = mine
+        distance = 1
+        while distance < size:
+            # This member holds the blocks of its aligned group of ``distance`` members; the
+            # partner holds those of the neighbouring group. Swap them.
+            partner = rank ^ distance
+            ours, theirs = rank & -distance, partner & -distance
+            comm.sendrecv(
+                gathered[ours * length : (ours + distance) * length],
+                gathered[theirs * length : (theirs + distance) * length],
+                partner,
+            )
+            distance *= 2
+    raw = gathered.numpy().tobytes()
+    return [raw[i * length : (i + 1) * length] for i in range(size)]
