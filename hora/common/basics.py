@@ -23,7 +23,7 @@ from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, detect
 from hora.common.process_sets import ProcessSet
 from hora.common.timeline_writer import Timeline, merge, rank_path
-from hora.common.transport import Communicator
+from hora.common.transport import Communicator, TransportError, prove_peers
 
 logger = logging.getLogger("hora")
 
@@ -83,7 +83,13 @@ def _communicator_factory(topology: Topology, settings: Settings, store: StoreCl
     device = make_device(bind, interface)
 
     def factory(scope: str, rank: int, size: int) -> Communicator:
-        return GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
+        comm = GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
+        try:
+            prove_peers(comm, store.secret, scope)
+        except TransportError:
+            comm.abort()
+            raise
+        return comm
 
     return factory
 

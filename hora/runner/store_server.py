@@ -1,9 +1,9 @@
 """The job's rendezvous store, run by the launcher.
 
-A ``torch.distributed.TCPStore`` serves the job. The launcher creates the listening socket
-itself, bound only to the address the workers use (loopback for a job on this machine), and
-hands it to the store. Workers find it through ``HORA_RENDEZVOUS_ADDR``/``PORT`` and protect
-their keys with the job secret (see :mod:`hora.common.job.store`).
+hora's store service (:mod:`hora.common.job.secure_store`) serves the job, listening only on
+the address the workers use (loopback for a job on this machine). Only processes that prove the
+job secret can use it. Workers find it through ``HORA_RENDEZVOUS_ADDR``/``PORT`` and get the
+secret in ``HORA_SECRET_KEY`` (see :mod:`hora.common.job.store`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class RendezvousServer:
         self.secret = secret or new_secret()
         self.address = bind_address
         self._store: Any
-        self._store, self.port = start_store_server(bind_address, port, timeout_s)
+        self._store, self.port = start_store_server(bind_address, port, self.secret)
         self.client = StoreClient(bind_address, self.port, self.secret, timeout_s)
 
     def env(self) -> dict[str, str]:
@@ -71,6 +71,8 @@ class RendezvousServer:
         return None
 
     def close(self) -> None:
-        """Stop serving (the store closes its socket)."""
+        """Stop serving and close every connection."""
         self.client = None  # type: ignore[assignment]
+        if self._store is not None:
+            self._store.close()
         self._store = None

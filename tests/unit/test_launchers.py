@@ -412,7 +412,7 @@ def test_a_taken_port_is_reported_with_what_to_set() -> None:
         taken.listen(1)
         port = taken.getsockname()[1]
         with pytest.raises(TopologyError) as info:
-            joining._host_store(topology, "127.0.0.1", port, timeout_s=5)
+            joining._host_store(topology, "127.0.0.1", port, "s" * 64)
     message = str(info.value)
     assert f"rank 0 (SLURM's srun) cannot start the job's rendezvous store on 127.0.0.1:{port}" in (
         message
@@ -426,4 +426,4 @@ def test_an_address_of_another_host_is_reported() -> None:
     topology = detect(slurm_env(0, "2", 0, 0, 2))
     # 192.0.2.1 (TEST-NET-1) is never an address of this host.
     with pytest.raises(TopologyError, match=r"192\.0\.2\.1 \(192\.0\.2\.1\) is not an address of"):
-        joining._host_store(topology, "192.0.2.1", 0, timeout_s=5)
+        joining._host_store(topology, "192.0.2.1", 0, "s" * 64)

@@ -107,3 +107,42 @@ def test_allgather_bytes_gives_every_member_every_header(size: int) -> None:
     for first, second in _on_threads(size, work):
         assert first == [bytes([r]) * 5 for r in range(size)]
         assert second == [bytes([100 + r, 7, 7]) for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_members_prove_the_secret_to_each_other(size: int) -> None:
+    from hora.common.transport import prove_peers
+
+    _on_threads(size, lambda comm: prove_peers(comm, "s" * 64, "ps0"))
+
+
+def test_a_member_without_the_secret_is_named_by_the_others() -> None:
+    from hora.common.transport import PeerProofError, prove_peers
+
+    def work(comm: LocalCommunicator) -> str:
+        secret = "intruder" if comm.rank == 2 else "s" * 64
+        try:
+            prove_peers(comm, secret, "ps0")
+        except PeerProofError as exc:
+            return str(exc)
+        return "passed"
+
+    first, second, third = _on_threads(3, work)
+    assert "member(s) [2] did not prove the job secret" in first
+    assert "member(s) [2]" in second
+    assert "member(s) [0, 1]" in third
+
+
+def test_a_proof_is_bound_to_its_communicator() -> None:
+    """Answers made for one scope do not pass in another (a connection handed to a pair made
+    later cannot reuse them)."""
+    from hora.common.transport import PeerProofError, prove_peers
+
+    def work(comm: LocalCommunicator) -> bool:
+        try:
+            prove_peers(comm, "s" * 64, "ps0" if comm.rank == 0 else "ps1")
+        except PeerProofError:
+            return False
+        return True
+
+    assert _on_threads(2, work) == [False, False]

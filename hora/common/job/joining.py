@@ -126,15 +126,20 @@ def _all_local(topology: Topology) -> bool:
     return launch is not None and launch.local_size == topology.size
 
 
-def _host_store(topology: Topology, addr: str, port: int, timeout_s: float) -> int:
-    """Start the job's store on ``addr:port`` in this process (once per process); its port."""
+def _host_store(topology: Topology, addr: str, port: int, secret: str) -> tuple[int, str]:
+    """Start the job's store on ``addr:port`` in this process (once per process).
+
+    Returns:
+        Its port and the secret it was started with (a store this process already hosts keeps
+        the secret it was started with).
+    """
     bind = _resolve(addr)
     with _lock:
-        for (bound, bound_port), _server in _servers.items():
+        for (bound, bound_port), (_server, its_secret) in _servers.items():
             if bound == bind and port in (0, bound_port):
-                return bound_port
+                return bound_port, its_secret
         try:
-            server, bound_port = start_store_server(bind, port, timeout_s)
+            server, bound_port = start_store_server(bind, port, secret)
         except OSError as exc:
             hint = (
                 f"{addr} ({bind}) is not an address of this host ({socket.gethostname()}): "
@@ -147,9 +152,9 @@ def _host_store(topology: Topology, addr: str, port: int, timeout_s: float) -> i
                 f"rank {topology.rank} ({topology.source}) cannot start the job's rendezvous "
                 f"store on {bind}:{port}: {exc.strerror or exc}. {hint}."
             ) from None
-        _servers[(bind, bound_port)] = server
+        _servers[(bind, bound_port)] = (server, secret)
     logger.debug("rank %d hosts the job's store on %s:%d", topology.rank, bind, bound_port)
-    return bound_port
+    return bound_port, secret
 
 
 # ---------------------------------------------------------------- torchrun rounds
@@ -280,17 +285,18 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
         )
         return topology, store
     addr, port, secret = plan.addr, plan.port, topology.secret
-    if plan.mpi4py:
-        addr, port, secret = _exchange_over_mpi(topology, plan, timeout_s)
-    elif plan.host:
-        port = _host_store(topology, addr, port, timeout_s)
     authenticated = bool(secret)
-    if not authenticated:
+    if plan.mpi4py:
+        addr, port, secret = _exchange_over_mpi(topology, plan)
+        authenticated = True
+    elif not authenticated:
         # No launcher handed out a secret: keys are still kept apart per job, but anyone who
-        # can reach the store could read and write them (docs/security.md).
+        # can reach the store and knows the job id could use it (docs/security.md).
         secret = f"unauthenticated:{plan.job_id}"
+    if plan.host and not plan.mpi4py:
+        port, secret = _host_store(topology, addr, port, secret)
     try:
-        store = StoreClient(addr, port, secret, timeout_s, prefix=plan.prefix)
+        store = StoreClient(addr, port, secret, timeout_s, prefix=plan.prefix, foreign=plan.shared)
     except RuntimeError as exc:
         raise TopologyError(
             f"rank {topology.rank} ({topology.source}) cannot reach the job's store at "
@@ -304,7 +310,7 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
     if plan.shared:
         token = _agree_round(store.store, prefix, secret, topology.rank, topology.size, timeout_s)
         prefix = f"{prefix}{token}/"
-        store = StoreClient(addr, port, secret, timeout_s, prefix=prefix)
+        store = StoreClient(addr, port, secret, timeout_s, prefix=prefix, foreign=True)
     topology = replace(
         topology,
         rendezvous_addr=addr,
@@ -332,16 +338,14 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
     return topology, store
 
 
-def _exchange_over_mpi(
-    topology: Topology, plan: StorePlan, timeout_s: float
-) -> tuple[str, int, str]:
+def _exchange_over_mpi(topology: Topology, plan: StorePlan) -> tuple[str, int, str]:
     world = _mpi_world(topology)
     offer: tuple[str, str, int, str] | None = None
     if topology.rank == 0:
         try:
             addr = plan.addr or _own_address(topology)
-            port = _host_store(topology, addr, plan.port, timeout_s)
-            offer = ("ok", addr, port, topology.secret or new_secret())
+            port, secret = _host_store(topology, addr, plan.port, topology.secret or new_secret())
+            offer = ("ok", addr, port, secret)
         except TopologyError as exc:
             offer = ("error", str(exc), 0, "")
     status, addr, port, secret = world.bcast(offer, root=0)

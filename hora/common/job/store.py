@@ -1,12 +1,12 @@
 """The job's key-value store as workers see it: namespaced keys and authenticated values.
 
-``horarun`` runs a ``torch.distributed.TCPStore``; under other launchers rank 0 runs one, or hora
-uses the launcher's own (torchrun's agent store) under a key prefix (see
-:mod:`hora.common.job.joining`). That store has no access control, so hora protects what it puts
-there in two ways:
+``horarun``, ``hora.run``, the elastic driver and Ray run hora's own store service
+(:mod:`hora.common.job.secure_store`), which only holders of the job secret can connect to;
+under other launchers rank 0 runs one, or hora uses the launcher's own (torchrun's agent store,
+a ``TCPStore`` without access control) under a key prefix (see
+:mod:`hora.common.job.joining`). On top of that:
 
-* every key lives under a namespace derived from the per-job secret, so a process that does not
-  know the secret cannot name (read, overwrite or wait on) any of the job's keys;
+* every key lives under a namespace derived from the per-job secret;
 * every value hora itself parses is signed with HMAC-SHA256 under the secret, and verified before
   it is decoded. Nothing is ever unpickled before its signature checks out;
 * a value written through :meth:`StoreClient.set_signed` is signed together with its key's name
@@ -21,11 +21,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hora.common.job.store_keys import FAILURE, PARKED
+
+if TYPE_CHECKING:
+    from hora.common.job.secure_store import StoreServer
 
 TAG_BYTES = 32
 
@@ -95,49 +97,25 @@ def verify(secret: str, blob: bytes, what: str = "value", key: str | None = None
     return data
 
 
-def start_store_server(bind_address: str, port: int, timeout_s: float) -> tuple[Any, int]:
-    """Start a ``TCPStore`` server listening only on ``bind_address``.
-
-    The listening socket is created here, bound to that one address (``TCPStore`` alone would
-    listen on every interface), and handed to the store.
+def start_store_server(bind_address: str, port: int, secret: str) -> tuple[StoreServer, int]:
+    """Start hora's store service (:class:`~hora.common.job.secure_store.StoreServer`) listening
+    only on ``bind_address``; only holders of ``secret`` can use it.
 
     Args:
         bind_address: an IP address of this host (``127.0.0.1`` for a job on this host).
         port: the port, or 0 for one chosen by the OS.
-        timeout_s: how long the server's own operations may block.
+        secret: the job secret (hex) every client must prove.
 
     Returns:
-        ``(server, port)``; keep ``server`` referenced for as long as the store must live.
+        ``(server, port)``; the server runs until :meth:`StoreServer.close` or process exit.
 
     Raises:
         OSError: the address is not this host's, or the port is taken.
     """
-    import torch.distributed
+    from hora.common.job.secure_store import StoreServer
 
-    dist: Any = torch.distributed
-
-    family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((bind_address, port))
-        listener.listen(1024)
-    except OSError:
-        listener.close()
-        raise
-    bound_port = int(listener.getsockname()[1])
-    server = dist.TCPStore(
-        bind_address,
-        bound_port,
-        None,
-        True,
-        timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.fileno(),
-    )
-    # The store now owns the listening socket's file descriptor.
-    listener.detach()
-    return server, bound_port
+    server = StoreServer(bind_address, port, secret)
+    return server, server.port
 
 
 class StoreClient:
@@ -150,10 +128,18 @@ class StoreClient:
         timeout_s: how long a ``get``/``wait`` may block before failing.
         prefix: put in front of every key (a job's space inside a store it shares, such as
             torchrun's agent store).
+        foreign: the store is a launcher's ``TCPStore`` (torchrun's agent store), not hora's
+            own store service.
     """
 
     def __init__(
-        self, addr: str, port: int, secret: str, timeout_s: float, prefix: str = ""
+        self,
+        addr: str,
+        port: int,
+        secret: str,
+        timeout_s: float,
+        prefix: str = "",
+        foreign: bool = False,
     ) -> None:
         import torch.distributed
 
@@ -164,9 +150,27 @@ class StoreClient:
         self.secret = secret
         self.timeout_s = timeout_s
         self.prefix = prefix
-        if addr:
+        self.foreign = foreign
+        if addr and not foreign:
+            from hora.common.job.secure_store import SecureStore, StoreAuthenticationError
+
             try:
-                self.store: Any = dist.TCPStore(
+                self.store: Any = SecureStore(addr, port, secret, timeout_s)
+            except StoreAuthenticationError as exc:
+                raise RuntimeError(
+                    f"the job's rendezvous store at {addr}:{port} refused this process or could "
+                    f"not prove itself: {exc}. Every process of a job must get the same secret "
+                    "(HORA_SECRET_KEY) from its launcher."
+                ) from exc
+            except (RuntimeError, ValueError) as exc:
+                raise RuntimeError(
+                    f"cannot reach the job's rendezvous store at {addr}:{port} within "
+                    f"{timeout_s:g} s ({exc}). Was this process started by horarun, and is the "
+                    "launcher still running? Raise HORA_START_TIMEOUT if start-up is slow."
+                ) from exc
+        elif addr:
+            try:
+                self.store = dist.TCPStore(
                     addr,
                     port,
                     None,
@@ -190,7 +194,9 @@ class StoreClient:
             clone = object.__new__(StoreClient)
             clone.__dict__.update(self.__dict__)
             return clone
-        return StoreClient(self.addr, self.port, self.secret, self.timeout_s, self.prefix)
+        return StoreClient(
+            self.addr, self.port, self.secret, self.timeout_s, self.prefix, self.foreign
+        )
 
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"

@@ -6,6 +6,9 @@ The engine talks only to :class:`Communicator`. Implementations wrap a real libr
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -16,6 +19,10 @@ from hora.common.message import ReduceOp
 
 class TransportError(RuntimeError):
     """A collective failed: a peer closed its connection, timed out, or the group was aborted."""
+
+
+class PeerProofError(TransportError):
+    """A member did not prove, over its connection to this one, that it holds the job secret."""
 
 
 class Pending(Protocol):
@@ -109,3 +116,67 @@ def allgather_bytes(comm: Communicator, data: bytes) -> list[bytes]:
             distance *= 2
     raw = gathered.numpy().tobytes()
     return [raw[i * length : (i + 1) * length] for i in range(size)]
+
+
+_NONCE = 16
+
+
+def _peer_tag(key: bytes, scope: str, sender: int, recipient: int, nonce: bytes) -> bytes:
+    message = b"hora-peer:" + scope.encode() + b"\0" + sender.to_bytes(4, "little")
+    return hmac.new(key, message + recipient.to_bytes(4, "little") + nonce, hashlib.sha256).digest()
+
+
+def prove_peers(comm: Communicator, secret: str, scope: str) -> None:
+    """Every two members prove to each other, over the connection between them, that both hold
+    ``secret``; call it once, right after the communicator is built.
+
+    Two alltoalls, which use every pair's own connection: each member sends every other member a
+    fresh nonce, then answers each nonce it received with an HMAC of it (bound to ``scope`` and
+    to both members' ranks) under a key derived from the secret. A connection taken over by a
+    process without the secret, or paired with the wrong peer, fails the check.
+
+    Raises:
+        PeerProofError: naming the members whose proof was wrong.
+    """
+    size, me = comm.size, comm.rank
+    if size == 1:
+        return
+    key = hashlib.sha256(b"hora-peer-proof:" + secret.encode()).digest()
+    sent = os.urandom(_NONCE * size)
+    received = torch.empty(_NONCE * size, dtype=torch.uint8)
+    comm.alltoall(
+        received,
+        torch.frombuffer(bytearray(sent), dtype=torch.uint8),
+        [_NONCE] * size,
+        [_NONCE] * size,
+    )
+    nonces = received.numpy().tobytes()
+    answers = b"".join(
+        _peer_tag(key, scope, me, peer, nonces[peer * _NONCE : (peer + 1) * _NONCE])
+        for peer in range(size)
+    )
+    width = hashlib.sha256().digest_size
+    proofs = torch.empty(width * size, dtype=torch.uint8)
+    comm.alltoall(
+        proofs,
+        torch.frombuffer(bytearray(answers), dtype=torch.uint8),
+        [width] * size,
+        [width] * size,
+    )
+    got = proofs.numpy().tobytes()
+    wrong = [
+        peer
+        for peer in range(size)
+        if peer != me
+        and not hmac.compare_digest(
+            got[peer * width : (peer + 1) * width],
+            _peer_tag(key, scope, peer, me, sent[peer * _NONCE : (peer + 1) * _NONCE]),
+        )
+    ]
+    if wrong:
+        raise PeerProofError(
+            f"member {me} of {size}: the connection to member(s) {wrong} did not prove the job "
+            "secret. Another process may have taken over the connection, or the members were "
+            "started with different secrets. Run multi-host jobs on an isolated network "
+            "(docs/security.md)."
+        )
