@@ -344,6 +344,22 @@ SECRET_KEY = Variable(
     "rank), or the store is not authenticated. See [docs/security.md](security.md).",
     horovod=False, table="launcher",
 )  # fmt: skip
+SECRET_FILE = Variable(
+    "SECRET_FILE", OPTIONAL_TEXT, None,
+    "A file holding the job's secret, readable by its owner only (mode `0600`), on a file system "
+    "every rank sees: the way to give `srun`, `torchrun` or `mpirun` jobs a secret without "
+    "putting it in the environment of the launching shell. `HORA_SECRET_KEY` wins when both are "
+    "set. See [docs/security.md](security.md#giving-a-job-its-secret).",
+    horovod=False, table="launcher",
+)  # fmt: skip
+ALLOW_UNAUTHENTICATED = Variable(
+    "ALLOW_UNAUTHENTICATED", BOOLEAN, False,
+    "`1` lets a job start without a secret (under `srun`, `torchrun`, or MPI without mpi4py, "
+    "when neither `HORA_SECRET_KEY` nor `HORA_SECRET_FILE` is set): anyone who can reach the "
+    "store and knows the job id can then use it. Without it, such a job stops at `hvd.init()` "
+    "and says how to give it a secret.",
+    horovod=False, table="launcher",
+)  # fmt: skip
 
 # ---------------------------------------------------------------- elastic jobs
 
@@ -399,6 +415,8 @@ VARIABLES: tuple[Variable[Any], ...] = (
     GLOO_RENDEZVOUS_ADDR,
     GLOO_RENDEZVOUS_PORT,
     SECRET_KEY,
+    SECRET_FILE,
+    ALLOW_UNAUTHENTICATED,
     ELASTIC,
     ELASTIC_ID,
     ELASTIC_TIMEOUT,

@@ -114,6 +114,26 @@ def _check_name(name: str, item: str) -> None:
         )
 
 
+def _hostfile_text(path: str) -> str:
+    """A hostfile's text.
+
+    Raises:
+        HostError: it cannot be read, or it is not UTF-8 text (the message names the line).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise HostError(f"cannot read hostfile {path!r}: {exc.strerror}.") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise HostError(
+            f"{path}, line {line}: byte 0x{data[exc.start]:02x} is not UTF-8 text. A hostfile "
+            "lists host names, one per line (`node1 slots=4`); is this the right file?"
+        ) from None
+
+
 def parse_hostfile(path: str) -> list[Host]:
     """Read a hostfile: one host per line, as ``host slots=N`` (Horovod's and Open MPI's form)
     or ``host:N``; a bare host means one slot. ``#`` starts a comment; blank lines are skipped.
@@ -121,10 +141,7 @@ def parse_hostfile(path: str) -> list[Host]:
     Raises:
         HostError: the file cannot be read, or a line is malformed (the message gives its number).
     """
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise HostError(f"cannot read hostfile {path!r}: {exc.strerror}.") from None
+    text = _hostfile_text(path)
     entries: list[str] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()

@@ -483,6 +483,16 @@ class Supervisor:
         others = sorted(r for r, c in codes.items() if c != 0 and r != worker.rank)
         if others:
             lines.append(f"Ranks {others} also ended with an error (see their output above).")
+        succeeded = sorted(r for r, c in codes.items() if c == 0)
+        if succeeded:
+            # Whether they left early cannot be told from exit times (a rank that leaves runs
+            # hvd.shutdown() at exit, and the others may fail before its process is gone).
+            lines.append(
+                f"Ranks {succeeded} exited with code 0. If they left before the other ranks "
+                "were done (say, their loop ran fewer steps), the others waited for them in "
+                "their next collective and failed because of it: give every rank the same "
+                "number of steps, or use hvd.join()."
+            )
         return "\n".join(lines)
 
 

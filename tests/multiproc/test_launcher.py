@@ -83,6 +83,29 @@ def test_failed_rank_is_reported_and_others_are_stopped(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_that_left_early_with_status_0_is_in_the_report(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        import torch
+        import hora.torch as hvd
+        hvd.init()
+        hvd.allreduce(torch.ones(1), name="first")
+        if hvd.rank() == 2:
+            sys.exit(0)  # leaves one step early
+        hvd.allreduce(torch.ones(1), name="second")
+        """,
+    )
+    result = _run([*HORARUN, "-np", "3", sys.executable, script])
+    assert result.returncode == 1, result.stderr
+    assert "horarun: the job failed." in result.stderr
+    assert "Ranks [2] exited with code 0. If they left before the other ranks were done" in (
+        result.stderr
+    ), result.stderr
+
+
+@pytest.mark.timeout(120)
 def test_an_uncaught_exception_in_the_steady_state_is_named_to_the_others(tmp_path: Path) -> None:
     script = _script(
         tmp_path,

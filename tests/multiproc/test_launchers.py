@@ -38,16 +38,28 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The job secret every rank gets, exported as docs/security.md asks under these launchers.
+SECRET = "3f" * 32
+
+
 def base_env(**extra: str) -> dict[str, str]:
     """The test's environment without any launcher's variables (pytest may itself run inside
-    a SLURM job or under torchrun), plus ``extra``."""
+    a SLURM job or under torchrun), with the job secret, plus ``extra``."""
     prefixes = ("HORA_", "HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_", "MV2_")
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
+    env["HORA_SECRET_KEY"] = SECRET
     env.update(extra)
+    return env
+
+
+def without_secret(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a job that runs without a secret, as the user allowed."""
+    env = {k: v for k, v in env.items() if k != "HORA_SECRET_KEY"}
+    env["HORA_ALLOW_UNAUTHENTICATED"] = "1"
     return env
 
 
@@ -92,6 +104,7 @@ def check_one_host(reports: list[dict[str, Any]], np: int, local_var: str) -> No
 
 
 UNAUTHENTICATED = "hands out no job secret and HORA_SECRET_KEY is not set"
+NO_SECRET = "hands out no job secret, and neither HORA_SECRET_KEY nor HORA_SECRET_FILE is set"
 
 
 # ---------------------------------------------------------------- Open MPI
@@ -114,7 +127,7 @@ def mpirun(np: int) -> list[str]:
 @pytest.mark.parametrize("np", [2, 3])
 def test_open_mpi_mpirun_with_mpi4py(np: int) -> None:
     pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install -e '.[dev]'")
-    done = run(mpirun(np), base_env())
+    done = run(mpirun(np), without_secret(base_env()))
     reports = results_of(done, np)
     check_collectives(reports, np, "Open MPI")
     check_one_host(reports, np, "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -127,8 +140,8 @@ def test_open_mpi_mpirun_with_mpi4py(np: int) -> None:
 @pytest.mark.parametrize("np", [2, 3])
 def test_open_mpi_mpirun_without_mpi4py(np: int) -> None:
     env = base_env(HORA_MPI4PY="0")
-    if np == 3:
-        env["HORA_SECRET_KEY"] = "5e" * 32
+    if np == 2:
+        env = without_secret(env)
     # np=2 also starts hora twice: the store rank 0 started is reused.
     done = run(mpirun(np) + (["--init-twice"] if np == 2 else []), env)
     reports = results_of(done, np)
@@ -181,6 +194,32 @@ def test_mpich_without_a_port_says_what_to_set() -> None:
     )
 
 
+# ---------------------------------------------------------------- without a secret
+
+
+@pytest.mark.timeout(120)
+def test_a_job_without_a_secret_does_not_start() -> None:
+    env = {k: v for k, v in base_env().items() if k != "HORA_SECRET_KEY"}
+    done = run(torchrun("--standalone", "--nproc-per-node", "2", str(WORKER)), env)
+    assert done.returncode != 0
+    output = done.stderr + done.stdout
+    assert NO_SECRET in output and "HORA_ALLOW_UNAUTHENTICATED=1" in output, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_secret_file_authenticates_the_job(tmp_path: Path) -> None:
+    secret_file = tmp_path / "hora_secret"
+    secret_file.write_text("c4" * 32 + "\n")
+    secret_file.chmod(0o600)
+    env = {k: v for k, v in base_env().items() if k != "HORA_SECRET_KEY"}
+    env["HORA_SECRET_FILE"] = str(secret_file)
+    done = run(torchrun("--standalone", "--nproc-per-node", "2", str(WORKER)), env)
+    reports = results_of(done, 2)
+    check_collectives(reports, 2, "torchrun")
+    assert all(r["authenticated"] for r in reports)
+    assert UNAUTHENTICATED not in done.stderr
+
+
 # ---------------------------------------------------------------- torchrun
 
 
@@ -192,8 +231,8 @@ def torchrun(*args: str) -> list[str]:
 @pytest.mark.parametrize("np", [2, 3])
 def test_torchrun_standalone(np: int) -> None:
     env = base_env()
-    if np == 3:
-        env["HORA_SECRET_KEY"] = "7a" * 32
+    if np == 2:
+        env = without_secret(env)
     command = torchrun("--standalone", "--nproc-per-node", str(np), str(WORKER))
     if np == 2:
         command.append("--init-twice")  # a second round agreement in the same agent store
@@ -349,10 +388,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 @pytest.mark.parametrize("np", [2, 3])
 def test_slurm_srun(slurm: dict[str, str], np: int) -> None:
     env = dict(slurm)
-    if np == 3:
-        env["HORA_SECRET_KEY"] = (
-            "9c" * 32
-        )  # exported in the job script, as docs/deployment.md shows
+    if np == 2:
+        env = without_secret(env)
     command = ["srun", "-n", str(np), sys.executable, str(WORKER)]
     if np == 2:
         command.append("--init-twice")

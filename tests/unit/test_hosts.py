@@ -102,6 +102,13 @@ def test_bad_hostfiles_name_the_problem(tmp_path: Path, text: str, match: str) -
         parse_hostfile(_hostfile(tmp_path, text))
 
 
+def test_a_hostfile_that_is_not_text_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    path.write_bytes(b"node1 slots=2\nnode2 slots=\xff2\n")
+    with pytest.raises(HostError, match=r"line 2: byte 0xff is not UTF-8 text"):
+        parse_hostfile(str(path))
+
+
 def test_missing_hostfile(tmp_path: Path) -> None:
     with pytest.raises(HostError, match="cannot read hostfile"):
         parse_hostfile(str(tmp_path / "absent"))

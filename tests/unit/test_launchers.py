@@ -427,3 +427,50 @@ def test_an_address_of_another_host_is_reported() -> None:
     # 192.0.2.1 (TEST-NET-1) is never an address of this host.
     with pytest.raises(TopologyError, match=r"192\.0\.2\.1 \(192\.0\.2\.1\) is not an address of"):
         joining._host_store(topology, "192.0.2.1", 0, "s" * 64)
+
+
+# ---------------------------------------------------------------- the job secret
+
+
+def test_a_secret_file_gives_the_job_its_secret(tmp_path: Path) -> None:
+    from hora.common.job.topology import job_secret
+
+    path = tmp_path / "secret"
+    path.write_text("d1" * 32 + "\n")
+    path.chmod(0o600)
+    assert job_secret({"HORA_SECRET_FILE": str(path)}) == "d1" * 32
+    # HORA_SECRET_KEY wins; neither set: no secret.
+    assert job_secret({"HORA_SECRET_FILE": str(path), "HORA_SECRET_KEY": "e2" * 32}) == "e2" * 32
+    assert job_secret({}) == ""
+    topology = detect({**slurm_env(0, "2", 0, 0, 2), "HORA_SECRET_FILE": str(path)})
+    assert topology.secret == "d1" * 32
+
+
+@pytest.mark.parametrize(
+    ("mode", "content", "expected"),
+    [
+        (0o644, "d1" * 32, "can be read or written by other users (mode 0644): make it private"),
+        (0o620, "d1" * 32, "(mode 0620)"),
+        (0o600, "short", "holds 5 characters; a job secret needs at least 32"),
+        (None, "", "cannot read it"),
+    ],
+)
+def test_a_bad_secret_file_is_refused_with_what_to_do(
+    tmp_path: Path, mode: int | None, content: str, expected: str
+) -> None:
+    from hora.common.job.topology import job_secret
+
+    path = tmp_path / "secret"
+    if mode is not None:
+        path.write_text(content)
+        path.chmod(mode)
+    with pytest.raises(TopologyError, match=f"HORA_SECRET_FILE={path}") as info:
+        job_secret({"HORA_SECRET_FILE": str(path)})
+    assert expected in str(info.value)
+
+
+def test_a_directory_is_not_a_secret_file(tmp_path: Path) -> None:
+    from hora.common.job.topology import job_secret
+
+    with pytest.raises(TopologyError, match="must be a regular file owned by this user"):
+        job_secret({"HORA_SECRET_FILE": str(tmp_path)})

@@ -33,7 +33,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from hora.common.config import lookup
+from hora.common.config import flag, lookup
 from hora.common.job import store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
 from hora.common.job.store import StoreClient, new_secret, sign, start_store_server, verify
@@ -284,15 +284,7 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
             topology.rendezvous_addr, topology.rendezvous_port, topology.secret, timeout_s
         )
         return topology, store
-    addr, port, secret = plan.addr, plan.port, topology.secret
-    authenticated = bool(secret)
-    if plan.mpi4py:
-        addr, port, secret = _exchange_over_mpi(topology, plan)
-        authenticated = True
-    elif not authenticated:
-        # No launcher handed out a secret: keys are still kept apart per job, but anyone who
-        # can reach the store and knows the job id could use it (docs/security.md).
-        secret = f"unauthenticated:{plan.job_id}"
+    addr, port, secret, authenticated = _secret_and_store(topology, plan)
     if plan.host and not plan.mpi4py:
         port, secret = _host_store(topology, addr, port, secret)
     try:
@@ -327,15 +319,49 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
     if not authenticated and topology.rank == 0:
         logger.warning(
             "%s hands out no job secret and HORA_SECRET_KEY is not set: the job's store at "
-            "%s:%d is not authenticated, so any process that can reach it can read and write "
-            "the job's keys. Export HORA_SECRET_KEY (the same random value on every rank) to "
-            "authenticate it; see docs/security.md.",
+            "%s:%d is not authenticated (HORA_ALLOW_UNAUTHENTICATED=1), so any process that can "
+            "reach it and knows the job id can read and write the job's keys. Set "
+            "HORA_SECRET_FILE or HORA_SECRET_KEY to authenticate it; see docs/security.md.",
             topology.source,
             addr,
             port,
         )
     logger.debug("joined %s: %s", plan.how, topology)
     return topology, store
+
+
+def _secret_and_store(topology: Topology, plan: StorePlan) -> tuple[str, int, str, bool]:
+    """The store's address and port, the job secret, and whether the secret is secret.
+
+    Raises:
+        TopologyError: no launcher hands out a secret, none was given, and the user did not
+            allow an unauthenticated job.
+    """
+    if plan.mpi4py:
+        addr, port, secret = _exchange_over_mpi(topology, plan)
+        return addr, port, secret, True
+    if topology.secret:
+        return plan.addr, plan.port, topology.secret, True
+    if not flag("ALLOW_UNAUTHENTICATED"):
+        raise TopologyError(_no_secret(topology))
+    # Allowed by the user: keys are still kept apart per job, but anyone who can reach the
+    # store and knows the job id could use it (docs/security.md).
+    return plan.addr, plan.port, f"unauthenticated:{plan.job_id}", False
+
+
+def _no_secret(topology: Topology) -> str:
+    """Why a job without a secret does not start, and how to give it one."""
+    return (
+        f"rank {topology.rank}: {topology.source} hands out no job secret, and neither "
+        "HORA_SECRET_KEY nor HORA_SECRET_FILE is set, so the job's store could not tell this "
+        "job's processes from anyone else's. Give every rank the same secret: create a file "
+        "readable only by you on a file system every rank sees, (umask 077; python3 -c 'import "
+        "secrets; print(secrets.token_hex(32))' > ~/.hora_secret), and export "
+        "HORA_SECRET_FILE=~/.hora_secret before srun, torchrun or mpirun (mpirun: add -x "
+        "HORA_SECRET_FILE; with mpi4py installed, MPI hands out a secret by itself). To run "
+        "without one on a network you trust, set HORA_ALLOW_UNAUTHENTICATED=1. See "
+        "docs/security.md."
+    )
 
 
 def _exchange_over_mpi(topology: Topology, plan: StorePlan) -> tuple[str, int, str]:

@@ -68,6 +68,10 @@ class StoreAuthenticationError(RuntimeError):
     message on the connection did not open (changed, replayed, or from another connection)."""
 
 
+class StoreConnectionError(dist.DistNetworkError):
+    """The store closed the connection or stopped answering (a ``RuntimeError``)."""
+
+
 class StoreTimeout(dist.DistStoreError):
     """A ``get`` or ``wait`` timed out (a ``RuntimeError``, as ``TCPStore``'s)."""
 
@@ -335,6 +339,10 @@ class StoreServer:
         changed, answer = operation(self, fields)
         self._reply(connection, OK, *answer)
         if changed:
+            # The writer's answer leaves before any waiter's: a waiter may be a process that
+            # exits once it has its answer (the host lingering for its peers), taking this
+            # thread with it.
+            self._flush(connection)
             self._keys_changed()
 
     # Each returns whether it changed a key, and the answer's fields.
@@ -526,13 +534,23 @@ class SecureStore(_Store):
             data += chunk
         return bytes(data)
 
-    def _call(self, op: int, *fields: bytes) -> tuple[int, list[bytes]]:
+    def _call(self, op: int, *fields: bytes, wait_s: float = 0.0) -> tuple[int, list[bytes]]:
         with self._lock:
-            self._sock.sendall(self._sealer.seal(_pack(op, *fields)))
-            (length,) = _LENGTH.unpack(self._receive(_LENGTH.size))
-            if length > MAX_MESSAGE + 64:
-                raise StoreAuthenticationError("the store sent an oversized message")
-            status, answer = _unpack(self._opener.open(self._receive(length)))
+            # An answer is due within the store's timeout (plus what the request itself may
+            # wait): a store that stopped answering becomes an error, not a hang.
+            self._sock.settimeout(self._timeout_s + wait_s + 5.0)
+            try:
+                self._sock.sendall(self._sealer.seal(_pack(op, *fields)))
+                (length,) = _LENGTH.unpack(self._receive(_LENGTH.size))
+                if length > MAX_MESSAGE + 64:
+                    raise StoreAuthenticationError("the store sent an oversized message")
+                status, answer = _unpack(self._opener.open(self._receive(length)))
+            except OSError as exc:
+                # The connection is out of step now: nothing more goes over it.
+                self._sock.close()
+                raise StoreConnectionError(
+                    f"lost the connection to the store at {self.addr}:{self.port}: {exc}"
+                ) from exc
         if status == ERROR:
             raise RuntimeError(answer[0].decode(errors="replace"))
         return status, answer
@@ -543,7 +561,7 @@ class SecureStore(_Store):
 
     def _waited(self, op: int, keys: Sequence[str], timeout: timedelta | None) -> list[bytes]:
         ms = self._timeout_ms(timeout)
-        status, values = self._call(op, _int(ms), *(k.encode() for k in keys))
+        status, values = self._call(op, _int(ms), *(k.encode() for k in keys), wait_s=ms / 1000)
         if status == TIMEOUT:
             raise StoreTimeout(
                 f"timed out after {ms / 1000:g} s waiting for store keys {list(keys)[:4]}"

@@ -97,6 +97,53 @@ class Topology:
             )
 
 
+def job_secret(env: Mapping[str, str]) -> str:
+    """The job secret from ``HORA_SECRET_KEY``, else from the file ``HORA_SECRET_FILE`` names;
+    ``""`` when neither is set.
+
+    Raises:
+        TopologyError: the file is missing, not a regular file of this user, readable or
+            writable by others, or holds too short a secret.
+    """
+    secret = env.get("HORA_SECRET_KEY", "")
+    path = env.get("HORA_SECRET_FILE", "")
+    if secret or not path:
+        return secret
+    path = os.path.expanduser(path)
+    try:
+        info = os.stat(path)
+        content = b""
+        if os.path.isfile(path):
+            with open(path, "rb") as handle:
+                content = handle.read(4096)
+    except OSError as exc:
+        raise TopologyError(
+            f"HORA_SECRET_FILE={path}: cannot read it ({exc.strerror or exc}). Create it once, "
+            "on a file system every rank sees: (umask 077; python3 -c 'import secrets; "
+            f"print(secrets.token_hex(32))' > {path})"
+        ) from None
+    import stat
+
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        raise TopologyError(
+            f"HORA_SECRET_FILE={path} must be a regular file owned by this user (uid "
+            f"{os.geteuid()}); it is owned by uid {info.st_uid}."
+        )
+    if info.st_mode & 0o077:
+        raise TopologyError(
+            f"HORA_SECRET_FILE={path} can be read or written by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}): make it private with `chmod 600 {path}`, and "
+            "make a new secret if others may have read it."
+        )
+    secret = content.decode(errors="replace").strip()
+    if len(secret) < 32:
+        raise TopologyError(
+            f"HORA_SECRET_FILE={path} holds {len(secret)} characters; a job secret needs at "
+            "least 32 (python3 -c 'import secrets; print(secrets.token_hex(32))' makes one)."
+        )
+    return secret
+
+
 def _int_var(name: str, env: Mapping[str, str], default: int | None = None) -> int:
     raw = lookup(name, env)
     if raw is None:
@@ -131,7 +178,7 @@ def _from_hora(env: Mapping[str, str]) -> Topology | None:
         hostname=lookup("HOSTNAME", env) or socket.gethostname(),
         rendezvous_addr=addr,
         rendezvous_port=port,
-        secret=env.get("HORA_SECRET_KEY", ""),
+        secret=job_secret(env),
         source="horarun",
     )
 
@@ -218,7 +265,7 @@ def _from_reading(reading: Reading, env: Mapping[str, str]) -> Topology:
         hostname=reading.hostname,
         rendezvous_addr=plan.addr,
         rendezvous_port=plan.port,
-        secret=env.get("HORA_SECRET_KEY", ""),
+        secret=job_secret(env),
         source=reading.launcher,
         store_prefix=plan.prefix,
         launch=reading,
