@@ -118,6 +118,14 @@ def start_store_server(bind_address: str, port: int, secret: str) -> tuple[Store
     return server, server.port
 
 
+def _unreachable(addr: str, port: int, timeout_s: float, exc: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"cannot reach the job's rendezvous store at {addr}:{port} within {timeout_s:g} s "
+        f"({exc}). Was this process started by horarun, and is the launcher still running? "
+        "Raise HORA_START_TIMEOUT if start-up is slow."
+    )
+
+
 class StoreClient:
     """A connection to the job's store, with namespaced keys and signed values.
 
@@ -163,11 +171,7 @@ class StoreClient:
                     "(HORA_SECRET_KEY) from its launcher."
                 ) from exc
             except (RuntimeError, ValueError) as exc:
-                raise RuntimeError(
-                    f"cannot reach the job's rendezvous store at {addr}:{port} within "
-                    f"{timeout_s:g} s ({exc}). Was this process started by horarun, and is the "
-                    "launcher still running? Raise HORA_START_TIMEOUT if start-up is slow."
-                ) from exc
+                raise _unreachable(addr, port, timeout_s, exc) from exc
         elif addr:
             try:
                 self.store = dist.TCPStore(
@@ -179,11 +183,7 @@ class StoreClient:
                     wait_for_workers=False,
                 )
             except (RuntimeError, ValueError) as exc:
-                raise RuntimeError(
-                    f"cannot reach the job's rendezvous store at {addr}:{port} within "
-                    f"{timeout_s:g} s ({exc}). Was this process started by horarun, and is the "
-                    "launcher still running? Raise HORA_START_TIMEOUT if start-up is slow."
-                ) from exc
+                raise _unreachable(addr, port, timeout_s, exc) from exc
         else:
             self.store = dist.HashStore()
         self.namespace = prefix + namespace_for(secret)

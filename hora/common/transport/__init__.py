@@ -126,6 +126,15 @@ def _peer_tag(key: bytes, scope: str, sender: int, recipient: int, nonce: bytes)
     return hmac.new(key, message + recipient.to_bytes(4, "little") + nonce, hashlib.sha256).digest()
 
 
+def _swap_blocks(comm: Communicator, blocks: bytes, width: int) -> bytes:
+    """Send block j (``width`` bytes) of ``blocks`` to member j; the blocks received, in member
+    order."""
+    received = torch.empty(width * comm.size, dtype=torch.uint8)
+    counts = [width] * comm.size
+    comm.alltoall(received, torch.frombuffer(bytearray(blocks), dtype=torch.uint8), counts, counts)
+    return received.numpy().tobytes()
+
+
 def prove_peers(comm: Communicator, secret: str, scope: str) -> None:
     """Every two members prove to each other, over the connection between them, that both hold
     ``secret``; call it once, right after the communicator is built.
@@ -143,27 +152,13 @@ def prove_peers(comm: Communicator, secret: str, scope: str) -> None:
         return
     key = hashlib.sha256(b"hora-peer-proof:" + secret.encode()).digest()
     sent = os.urandom(_NONCE * size)
-    received = torch.empty(_NONCE * size, dtype=torch.uint8)
-    comm.alltoall(
-        received,
-        torch.frombuffer(bytearray(sent), dtype=torch.uint8),
-        [_NONCE] * size,
-        [_NONCE] * size,
-    )
-    nonces = received.numpy().tobytes()
+    nonces = _swap_blocks(comm, sent, _NONCE)
     answers = b"".join(
         _peer_tag(key, scope, me, peer, nonces[peer * _NONCE : (peer + 1) * _NONCE])
         for peer in range(size)
     )
     width = hashlib.sha256().digest_size
-    proofs = torch.empty(width * size, dtype=torch.uint8)
-    comm.alltoall(
-        proofs,
-        torch.frombuffer(bytearray(answers), dtype=torch.uint8),
-        [width] * size,
-        [width] * size,
-    )
-    got = proofs.numpy().tobytes()
+    got = _swap_blocks(comm, answers, width)
     wrong = [
         peer
         for peer in range(size)
