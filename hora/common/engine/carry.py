@@ -25,7 +25,15 @@ import torch
 from hora.common.engine.buffers import compute_dtype, postscale, scale, torch_dtype
 from hora.common.engine.handles import Entry
 from hora.common.engine.negotiation import InlineSlot
-from hora.common.message import Key, ReduceOp, Request, RequestType, Response, key_parts
+from hora.common.message import (
+    Key,
+    ReduceOp,
+    Request,
+    RequestType,
+    Response,
+    key_parts,
+    make_key,
+)
 
 # Per item: process set id, name length, data length; then the name and the data.
 _ITEM = struct.Struct("<IHI")
@@ -42,6 +50,7 @@ class Carrier:
         self.threshold = threshold
         # At most a few items: their bytes ride in one header slot.
         self.slot = InlineSlot(largest=max(InlineSlot.LARGEST, 4 * threshold))
+        # Each pending item, encoded once for the slot: it rides in every exchange until agreed.
         self._riding: dict[Key, bytes] = {}
         # Responses reduced from carried bytes (counted by the engine; for tests and tools).
         self.reduced = 0
@@ -65,8 +74,11 @@ class Carrier:
             tensor = entry.tensor
             if self.carries(entry.request, tensor) and len(entry.request.name) < 16_384:
                 assert tensor is not None
-                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                self._riding[entry.request.key] = raw.numpy().tobytes()
+                data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                set_id, name = key_parts(entry.request.key)
+                encoded = name.encode()
+                item = _ITEM.pack(set_id, len(encoded), len(data)) + encoded + data
+                self._riding[entry.request.key] = item
 
     def section(self) -> tuple[bytes, int]:
         """The bytes for this cycle's slot (whole items, in submission order, as many as fit),
@@ -74,10 +86,7 @@ class Carrier:
         size = self.slot.size
         parts: list[bytes] = []
         used = wanted = 0
-        for key, data in self._riding.items():
-            set_id, name = key_parts(key)
-            encoded = name.encode()
-            item = _ITEM.pack(set_id, len(encoded), len(data)) + encoded + data
+        for item in self._riding.values():
             wanted += len(item)
             if used + len(item) <= size:
                 parts.append(item)
@@ -110,8 +119,7 @@ def parse(section: bytes) -> dict[Key, bytes]:
         if stop > end:
             raise ValueError("a carried tensor runs past the end of its slot")
         name = section[offset : offset + name_length].decode()
-        key: Key = name if set_id == 0 else (set_id, name)
-        items[key] = section[offset + name_length : stop]
+        items[make_key(set_id, name)] = section[offset + name_length : stop]
         offset = stop
     return items
 

@@ -29,7 +29,7 @@ import torch
 from hora.common.config import Settings
 from hora.common.engine import carry, fusion, steady
 from hora.common.engine.autotune import Autotuner
-from hora.common.engine.buffers import destination, writing_to_inference
+from hora.common.engine.buffers import copy_out_pieces, writing_to_inference
 from hora.common.engine.executors import Run, executor_for
 from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
 from hora.common.engine.finisher import Finisher
@@ -587,11 +587,8 @@ class Engine:
         tracer = self.tracer
         start = tracer.negotiated([response], [entry]) if tracer.timeline is not None else 0
         result = carry.reduce_parts(response.template(), parts)
-        dest = destination(entry)
-        assert dest is not None
         with writing_to_inference([entry]):
-            dest.copy_(result)
-        finish(entry, dest)
+            copy_out_pieces([entry], result.reshape(-1), [result.numel()])
         if tracer.timeline is not None:
             end = tracer.now()
             nbytes = result.numel() * result.element_size()
