@@ -19,7 +19,7 @@ import hora.torch as hvd
 
 MARKER = "HORA-WORKER-RESULT "
 
-# Each launcher's own names for this process's rank and local rank.
+# Each launcher's own names for this process's rank and local rank, and Open MPI's job id.
 LAUNCHER_VARIABLES = (
     "RANK",
     "LOCAL_RANK",
@@ -30,7 +30,11 @@ LAUNCHER_VARIABLES = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
     "SLURM_NODEID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
     "TORCHELASTIC_RESTART_COUNT",
+    "PMIX_NAMESPACE",
+    "OMPI_MCA_ess_base_jobid",
 )
 
 
@@ -74,6 +78,7 @@ def main() -> int:
         "cross_size": hvd.cross_size(),
         "source": topology.source,
         "authenticated": topology.authenticated,
+        "store_port": topology.rendezvous_port,
         "allreduce_sum": total.item(),
         "allgather": gathered.tolist(),
         "broadcast": shared.item(),

@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from hora.common.job.launchers import derived_port
+
 WORKER = Path(__file__).with_name("launcher_worker.py")
 MARKER = "HORA-WORKER-RESULT "
 VENV_BIN = Path(sys.executable).parent
@@ -220,6 +222,34 @@ def test_a_secret_file_authenticates_the_job(tmp_path: Path) -> None:
     assert UNAUTHENTICATED not in done.stderr
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_secret_file_gives_mpirun_without_mpi4py_a_random_published_port(
+    tmp_path: Path, np: int
+) -> None:
+    """No channel hands rank 0's port to the others, so it would be derived from the job id
+    (predictable); with a secret file, rank 0 listens on a random port and publishes it, signed,
+    beside the file."""
+    secret_file = tmp_path / "hora_secret"
+    secret_file.write_text("d5" * 32 + "\n")
+    secret_file.chmod(0o600)
+    env = {k: v for k, v in base_env(HORA_MPI4PY="0").items() if k != "HORA_SECRET_KEY"}
+    env["HORA_SECRET_FILE"] = str(secret_file)
+    done = run(mpirun(np), env)
+    reports = results_of(done, np)
+    check_collectives(reports, np, "Open MPI")
+    assert all(r["authenticated"] for r in reports)
+    ports = {r["store_port"] for r in reports}
+    assert len(ports) == 1
+    job_id = reports[0]["env"].get("PMIX_NAMESPACE") or reports[0]["env"].get(
+        "OMPI_MCA_ess_base_jobid", ""
+    )
+    if job_id:
+        assert ports != {derived_port(job_id)}
+    # Rank 0 removed what it published when it exited.
+    assert [p.name for p in tmp_path.iterdir()] == ["hora_secret"]
+
+
 # ---------------------------------------------------------------- torchrun
 
 
@@ -399,6 +429,25 @@ def test_slurm_srun(slurm: dict[str, str], np: int) -> None:
     check_one_host(reports, np, "SLURM_LOCALID")
     assert all(r["rank"] == int(r["env"]["SLURM_PROCID"]) for r in reports)
     assert all(r["authenticated"] == (np == 3) for r in reports)
+
+
+@pytest.mark.timeout(150)
+def test_slurm_srun_with_a_secret_file_uses_a_random_port(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    secret_file = tmp_path / "hora_secret"
+    secret_file.write_text("e6" * 32 + "\n")
+    secret_file.chmod(0o600)
+    env = {k: v for k, v in slurm.items() if k != "HORA_SECRET_KEY"}
+    env["HORA_SECRET_FILE"] = str(secret_file)
+    done = run(["srun", "-n", "2", sys.executable, str(WORKER)], env)
+    reports = results_of(done, 2)
+    check_collectives(reports, 2, "SLURM's srun")
+    assert all(r["authenticated"] for r in reports)
+    (port,) = {r["store_port"] for r in reports}
+    job_id = f"slurm-{reports[0]['env']['SLURM_JOB_ID']}.{reports[0]['env']['SLURM_STEP_ID']}"
+    assert port != derived_port(job_id)
+    assert [p.name for p in tmp_path.iterdir()] == ["hora_secret"]
 
 
 @pytest.mark.timeout(150)

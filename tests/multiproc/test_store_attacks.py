@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -149,3 +150,213 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     (ranks,) = results
     assert [r["total"] for r in ranks] == [3.0, 3.0]
     assert ranks[0]["gathered"] == [{"rank": 0}, {"rank": 1}]
+
+
+TORCHRUN_WORKER = r"""
+import json, os, sys, time
+from pathlib import Path
+
+import torch
+
+import hora.torch as hvd
+
+control = Path(sys.argv[1])
+hvd.init()
+if hvd.rank() == 0:
+    (control / "port").write_text(os.environ["MASTER_PORT"])
+deadline = time.monotonic() + 60
+while not (control / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+result = {"rank": hvd.rank(), "error": None, "total": None}
+try:
+    for _ in range(400):
+        result["total"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+        time.sleep(0.01)
+except Exception as exc:
+    result["error"] = str(exc)
+print("FORGERY-RESULT " + json.dumps(result), flush=True)
+sys.exit(1 if result["error"] else 0)
+"""
+
+FORGER = r"""
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=10),
+                      wait_for_workers=False)
+# torchrun's agent store lists its keys to anyone; the job's namespace shows in them.
+names = [k for k in store.list_keys() if k.endswith("/parked")]
+namespace = names[0].rsplit("/", 1)[0]
+store.set(namespace + "/failure", b"rank 1: FORGED failure")
+print("forged", namespace + "/failure", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_failure_forged_in_torchruns_store_stops_the_job_naming_tampering(
+    tmp_path: Path,
+) -> None:
+    """torchrun's agent store is a plain ``TCPStore``: any process that reaches its port can
+    list, read and write it, whoever runs it. What such a process writes there is not believed.
+
+    The forger runs without the job's secret (and with torch, which uid ``nobody`` cannot load
+    from this checkout's environment; the store cannot tell users apart anyway).
+    """
+    from tests.multiproc.test_launchers import base_env, torchrun, without_secret
+
+    control = tmp_path / "control"
+    control.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    job = subprocess.Popen(
+        torchrun("--standalone", "--nproc-per-node", "2", str(script), str(control)),
+        env=base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (control / "port").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = (control / "port").read_text()
+        forger = subprocess.run(
+            [sys.executable, "-c", FORGER, port],
+            capture_output=True,
+            text=True,
+            cwd="/",
+            env=without_secret(base_env()),
+            timeout=60,
+        )
+        assert forger.returncode == 0, forger.stderr
+        (control / "go").write_text("")
+        output, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    reports = [
+        json.loads(line.split("FORGERY-RESULT ", 1)[1])
+        for line in output.splitlines()
+        if "FORGERY-RESULT " in line
+    ]
+    assert job.returncode != 0, output
+    assert reports, output
+    for report in reports:
+        assert report["error"] is not None, output
+        assert "tampering" in report["error"], output
+        assert report["total"] in (None, 2.0), output
+
+
+GLOO_FLOOD = r"""
+import json, socket, sys, time
+
+ports = [int(p) for p in sys.argv[1].split(",")]
+held, refused = [], 0
+for port in ports:
+    for n in range(int(sys.argv[2])):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            # Garbage where Gloo expects its pairing handshake.
+            sock.sendall(n.to_bytes(8, "little") + b"\xff" * 56)
+            held.append(sock)
+        except OSError:
+            refused += 1
+print(json.dumps({"held": len(held), "refused": refused}), flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _flooded_job(control: str) -> dict[str, Any]:
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init(process_sets="dynamic")
+    folder = Path(control)
+    (folder / f"pid.{hvd.rank()}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while not (folder / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    totals = [
+        hvd.allreduce(torch.full((1000,), float(hvd.rank() + step)), op=hvd.Sum).sum().item()
+        for step in range(20)
+    ]
+    # A new process set builds new Gloo pairs after the flood.
+    subset = hvd.add_process_set([0, 2])
+    late = None
+    if hvd.rank() in (0, 2):
+        late = hvd.allreduce(torch.ones(3), op=hvd.Sum, process_set=subset).tolist()
+    hvd.shutdown()
+    return {"totals": totals, "late": late}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_flooding_gloo_ports_cannot_change_results(tmp_path: Path) -> None:
+    """Gloo accepts every connection to its listening ports; hora cannot refuse them. Stray
+    connections with garbage handshakes must at worst fail the job, never change a result."""
+    import psutil
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 for the attacking user")
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            results.append(hora.run(_flooded_job, args=(str(tmp_path),), np=3))
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            errors.append(exc)
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid.*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("pid.*"))]
+    ports = sorted(
+        {
+            c.laddr.port
+            for pid in pids
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
+    )
+    assert ports, "the workers listen on no TCP port"
+    attacker = subprocess.Popen(
+        [python, "-c", GLOO_FLOOD, ",".join(map(str, ports)), "50", "4"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+    )
+    assert attacker.stdout is not None
+    flood = json.loads(attacker.stdout.readline())
+    (tmp_path / "go").write_text("")
+    runner.join(timeout=150)
+    attacker.wait(timeout=30)
+
+    assert flood["held"] > 0, flood
+    if errors:
+        # Stray connections may fail the job (Gloo hands them to new pairs), with an error that
+        # says so: through the peer proof, or when a new group cannot connect. Never a wrong
+        # number.
+        text = str(errors[0])
+        assert "did not prove the job secret" in text or (
+            "could not connect to the other ranks" in text
+            and "other processes connecting to them" in text
+        ), text
+        return
+    (ranks,) = results
+    expected = [sum(1000.0 * (r + step) for r in range(3)) for step in range(20)]
+    assert [r["totals"] for r in ranks] == [expected] * 3
+    assert [r["late"] for r in ranks] == [[2.0, 2.0, 2.0], None, [2.0, 2.0, 2.0]]

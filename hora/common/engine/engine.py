@@ -41,7 +41,7 @@ from hora.common.engine.stall import StallInspector
 from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S, WATCH_INTERVAL_S
 from hora.common.engine.tracing import Tracer
 from hora.common.errors import HoraInternalError, shut_down_message
-from hora.common.job.store import StoreClient, sign
+from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import CAUSE, PARKED, GenerationKeys
 from hora.common.job.topology import Topology
 from hora.common.message import CycleMessage, Key, Request, RequestType, Response
@@ -141,7 +141,9 @@ class Engine:
             raise HoraInternalError(
                 f"rank {self.rank}: could not connect to the other ranks of process set {set_id} "
                 f"({exc}). Check that every rank called hvd.init() and that the hosts can reach "
-                "each other (HORA_GLOO_IFACE selects the network interface)."
+                "each other (HORA_GLOO_IFACE selects the network interface). Gloo accepts any "
+                "connection to the workers' ports, so other processes connecting to them cause "
+                "this too: keep the job's network private (docs/security.md)."
             ) from exc
 
     def start(self) -> None:
@@ -194,7 +196,7 @@ class Engine:
             return
         try:
             self._store.store.compare_set(
-                self._store.key(CAUSE), "", sign(self._store.secret, text.encode(), key=CAUSE)
+                self._store.key(CAUSE), "", self._store.signed(CAUSE, text.encode())
             )
         except Exception:  # noqa: BLE001 - best effort while exiting
             pass
@@ -398,7 +400,7 @@ class Engine:
                     intake.wakeup.acquire()
                 intake.shutdown_reason = intake.shutdown_reason or stalled or deadlock
         if ring:
-            self._store.set_signed(wake_key, b"")
+            self._store.mark(wake_key)
         self._idle_cycles = 0
         # Whoever rang has work: go at once.
         self._last_cycle_end = 0.0

@@ -27,7 +27,13 @@ from hora.common.engine.timing import (
     PARKED_WAIT_S,
     WATCH_INTERVAL_S,
 )
-from hora.common.job.store import StoreClient, read_failure, report_failure
+from hora.common.job.store import (
+    AuthenticationError,
+    StoreClient,
+    read_failure,
+    report_failure,
+    tampering,
+)
 from hora.common.job.store_keys import FAILURE, GenerationKeys, exit_key
 from hora.common.message import Key, key_parts, make_key
 
@@ -99,6 +105,9 @@ class Watcher(threading.Thread):
                 self._event.wait(WATCH_INTERVAL_S)
                 self._event.clear()
                 self._check_failure()
+        except AuthenticationError as exc:
+            self.failure = tampering(exc)
+            self._abort()
         except Exception as exc:  # noqa: BLE001 - store gone: let the engine find out
             if self._running() and not self._stop_flag:
                 self.failure = f"the job's rendezvous store became unreachable: {exc}"
@@ -106,6 +115,7 @@ class Watcher(threading.Thread):
 
     def _check_failure(self) -> None:
         if self.failure is None and self._store.check(FAILURE):
+            read_failure(self._store)  # a forged report raises AuthenticationError
             self.failure = "another rank or the launcher reported a failure"
             self._abort()
 
@@ -124,7 +134,7 @@ def diagnose(
     """
     others = [r for r in range(size) if r != rank]
     try:
-        store.set_signed(keys.alive(rank), b"")
+        store.mark(keys.alive(rank))
         report_failure(store, f"rank {rank}: {error}")
         deadline = time.monotonic() + DIAGNOSE_WINDOW_S
         silent = others
@@ -138,12 +148,14 @@ def diagnose(
                     f"hora lost {ranks_text(exits)}: {details}. Rank {rank} cannot continue "
                     f"the collective (transport error: {error})"
                 )
-            silent = [r for r in others if not store.check(keys.alive(r))]
+            silent = [r for r in others if not store.marked(keys.alive(r))]
             if not silent or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         # Aborted because another rank reported a failure first: its report says why.
         report = read_failure(store) if reported else ""
+    except AuthenticationError as exc:
+        return tampering(exc, rank)
     except Exception as exc:  # noqa: BLE001 - the store itself may be gone
         return (
             f"rank {rank}: a collective failed ({error}) and the job's rendezvous store "

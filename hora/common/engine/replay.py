@@ -472,9 +472,7 @@ class Replay:
             return
         names = _names([r.name for r in flight.schedule.batches[flight.position]])
         try:
-            self._store.set_signed(
-                self._keys.steady_wait(flight.steady_id), str(self.rank).encode()
-            )
+            self._store.mark(self._keys.steady_wait(flight.steady_id))
         except Exception as exc:  # noqa: BLE001 - a lost store fails the batch on its own
             logger.debug("rank %d could not record its wait: %s", self.rank, exc)
         if self.rank == 0:
@@ -488,7 +486,7 @@ class Replay:
     def _peers_wait(self) -> bool:
         """Whether another rank has recorded that it waits for the batch this rank collects."""
         try:
-            return bool(self._store.check(self._keys.steady_wait(self._started_batches + 1)))
+            return self._store.marked(self._keys.steady_wait(self._started_batches + 1))
         except Exception:  # noqa: BLE001 - a lost store fails the job elsewhere
             return False
 

@@ -31,12 +31,23 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from hora.common.config import flag, lookup
-from hora.common.job import store_keys
+from hora.common.job import port_file, store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
-from hora.common.job.store import StoreClient, new_secret, sign, start_store_server, verify
+from hora.common.job.store import (
+    AuthenticationError,
+    StoreClient,
+    has_mark,
+    new_secret,
+    put_mark,
+    sign,
+    start_store_server,
+    tampering,
+    verify,
+)
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, TopologyError
 
@@ -169,8 +180,19 @@ def _agree_round(
     still there, and ``TORCHELASTIC_RESTART_COUNT`` differs between nodes after a resize. Each
     rank greets rank 0 with a fresh nonce; rank 0 answers every greeting it sees with its fresh
     token under a key named by the nonce (so no rank can read a previous round's answer), until
-    every rank has acknowledged under a key named by the token.
+    every rank has acknowledged under a key named by the token. torchrun's store admits anyone
+    who can reach it, so greetings, answers and acknowledgements are all signed with the job
+    secret and bound to their keys; a forged one fails the job with an error naming tampering.
     """
+    try:
+        return _agree_round_checked(store, prefix, secret, rank, size, timeout_s)
+    except AuthenticationError as exc:
+        raise TopologyError(tampering(exc, rank)) from None
+
+
+def _agree_round_checked(
+    store: Any, prefix: str, secret: str, rank: int, size: int, timeout_s: float
+) -> str:
     deadline = time.monotonic() + timeout_s
     if rank == 0:
         token = secrets.token_hex(16)
@@ -180,12 +202,12 @@ def _agree_round(
             for peer in sorted(pending):
                 greeting = store_keys.torchrun_hello(prefix, peer)
                 if store.check([greeting]):
-                    nonce = bytes(store.get(greeting))
+                    nonce = verify(secret, bytes(store.get(greeting)), "greeting", greeting)
                     if answered.get(peer) != nonce:
                         answered[peer] = nonce
                         key = store_keys.torchrun_welcome(prefix, nonce)
                         store.set(key, sign(secret, token.encode(), key=key))
-                if store.check([store_keys.torchrun_ready(prefix, token, peer)]):
+                if has_mark(store, store_keys.torchrun_ready(prefix, token, peer), secret):
                     pending.discard(peer)
             if pending and time.monotonic() > deadline:
                 raise TopologyError(_missing_ranks(sorted(pending), timeout_s))
@@ -193,7 +215,8 @@ def _agree_round(
                 time.sleep(ROUND_POLL_S)
         return token
     nonce = secrets.token_bytes(16)
-    store.set(store_keys.torchrun_hello(prefix, rank), nonce)
+    hello = store_keys.torchrun_hello(prefix, rank)
+    store.set(hello, sign(secret, nonce, key=hello))
     key = store_keys.torchrun_welcome(prefix, nonce)
     try:
         store.wait([key], timedelta(seconds=timeout_s))
@@ -203,7 +226,7 @@ def _agree_round(
             "running and calling hvd.init()? Raise HORA_START_TIMEOUT if start-up is slow."
         ) from None
     token = verify(secret, bytes(store.get(key)), what="round token", key=key).decode()
-    store.set(store_keys.torchrun_ready(prefix, token, rank), b"1")
+    put_mark(store, store_keys.torchrun_ready(prefix, token, rank), secret)
     return token
 
 
@@ -238,10 +261,10 @@ def _exchange(store: StoreClient, topology: Topology, generation: int) -> Topolo
         missing = [r for r, name in enumerate(names) if not store.check(name)]
         raise TopologyError(_missing_ranks(missing, store.timeout_s)) from None
     blobs = store.store.multi_get(keys)
-    peers = [
-        json.loads(verify(store.secret, bytes(blob), what="topology", key=name))
-        for name, blob in zip(names, blobs)
-    ]
+    try:
+        peers = [json.loads(store.verified(name, bytes(blob))) for name, blob in zip(names, blobs)]
+    except AuthenticationError as exc:
+        raise TopologyError(tampering(exc, topology.rank)) from None
     if any(p["local_rank"] is None for p in peers):
         seen: dict[str, int] = {}
         for peer in peers:
@@ -285,8 +308,13 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
         )
         return topology, store
     addr, port, secret, authenticated = _secret_and_store(topology, plan)
+    published = _port_file(plan, authenticated)
     if plan.host and not plan.mpi4py:
-        port, secret = _host_store(topology, addr, port, secret)
+        port, secret = _host_store(topology, addr, 0 if published else port, secret)
+        if published:
+            port_file.publish(published, plan.job_id, secret, port)
+    elif published:
+        port = _published_port(topology, published, secret, timeout_s)
     try:
         store = StoreClient(addr, port, secret, timeout_s, prefix=plan.prefix, foreign=plan.shared)
     except RuntimeError as exc:
@@ -328,6 +356,31 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
         )
     logger.debug("joined %s: %s", plan.how, topology)
     return topology, store
+
+
+def _port_file(plan: StorePlan, authenticated: bool) -> Path | None:
+    """Where rank 0 publishes its random port, when the port would otherwise be derived from
+    the job id and the job has a secret file every rank sees (:mod:`port_file`)."""
+    secret_file = os.environ.get("HORA_SECRET_FILE", "")
+    if not (plan.derived and authenticated and secret_file) or plan.mpi4py or plan.shared:
+        return None
+    if os.environ.get("HORA_SECRET_KEY"):
+        return None  # the secret came from the environment; the file may not be shared
+    return port_file.path_for(secret_file, plan.job_id)
+
+
+def _published_port(topology: Topology, path: Path, secret: str, timeout_s: float) -> int:
+    """The port rank 0 published in ``path`` (see :mod:`hora.common.job.port_file`)."""
+    import psutil
+
+    assert topology.plan is not None
+    started = psutil.Process().create_time()
+    try:
+        return port_file.wait(path, topology.plan.job_id, secret, timeout_s, started)
+    except TimeoutError as exc:
+        raise TopologyError(f"rank {topology.rank} ({topology.source}): {exc}") from None
+    except AuthenticationError as exc:
+        raise TopologyError(tampering(exc, topology.rank)) from None
 
 
 def _secret_and_store(topology: Topology, plan: StorePlan) -> tuple[str, int, str, bool]:
@@ -386,7 +439,7 @@ def _exchange_over_mpi(topology: Topology, plan: StorePlan) -> tuple[str, int, s
 def detach(store: StoreClient, rank: int, generation: int) -> None:
     """Tell the process that hosts the store that this rank no longer needs it."""
     try:
-        store.store.set(store.key(GenerationKeys(generation).detached(rank)), b"1")
+        store.mark(GenerationKeys(generation).detached(rank))
     except Exception:  # noqa: BLE001 - best effort while leaving
         pass
 
@@ -408,8 +461,16 @@ def _wait_for_detach() -> None:
         return
     generation = _linger.get("generation", 0)
     others = [r for r in range(_linger["size"]) if r != _linger["rank"]]
-    keys = [store.key(GenerationKeys(generation).detached(r)) for r in others]
+    names = [GenerationKeys(generation).detached(r) for r in others]
     try:
-        store.store.wait(keys, timedelta(seconds=LINGER_S))
+        store.store.wait([store.key(n) for n in names], timedelta(seconds=LINGER_S))
     except Exception:  # noqa: BLE001 - a rank that died never detaches; stop waiting
         logger.debug("stopped waiting for ranks to detach from the store after %g s", LINGER_S)
+        return
+    try:
+        # A forged detach mark would let this process (and the store) go while ranks need it.
+        store.all_marked(names)
+    except AuthenticationError as exc:
+        logger.error("%s", tampering(exc, _linger["rank"]))
+    except Exception:  # noqa: BLE001 - the store is going away: nothing left to protect
+        pass

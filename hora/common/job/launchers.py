@@ -56,6 +56,8 @@ class StorePlan:
             agent store): the ranks first agree on a fresh key prefix for this round.
         prefix: key prefix for everything hora writes (inside a launcher's shared store).
         job_id: names this job: keys it apart from other jobs when no secret is available.
+        derived: ``port`` was derived from the job id (no one chose it); with a secret file,
+            rank 0 listens on a random port instead and publishes it beside that file.
         mpi4py: rank 0 sends the address, port and a fresh secret to the others with
             ``mpi4py``'s ``bcast`` (see :mod:`hora.common.job.joining`).
         exchange: local and cross ranks are not all in the variables; the ranks exchange host
@@ -69,6 +71,7 @@ class StorePlan:
     shared: bool = False
     prefix: str = ""
     job_id: str = ""
+    derived: bool = False
     mpi4py: bool = False
     exchange: bool = False
     how: str = ""
@@ -378,6 +381,7 @@ def _mpi_plan(
             "MASTER_ADDR (rank 0's host name) and MASTER_PORT for every rank, e.g. "
             "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`."
         )
+    derived = port is None
     if port is None:
         if not job_id:
             raise LauncherError(
@@ -391,6 +395,7 @@ def _mpi_plan(
         port=port,
         host=rank == 0,
         job_id=job_id or f"{addr}:{port}",
+        derived=derived,
         exchange=True,
         how=f"a store started by rank 0 at {addr}:{port} ({how}; port {port_var})",
     )
@@ -520,6 +525,7 @@ def read_slurm(env: Mapping[str, str]) -> Reading | None:
                 "this SLURM step spans several nodes but SLURM_STEP_NODELIST is not set: set "
                 "MASTER_ADDR to the first node's name and MASTER_PORT to a free port."
             )
+    derived = port is None
     if port is None:
         port, port_var = derived_port(job_id), f"derived from job {job_id}"
     plan = StorePlan(
@@ -527,6 +533,7 @@ def read_slurm(env: Mapping[str, str]) -> Reading | None:
         port=port,
         host=host,
         job_id=job_id,
+        derived=derived,
         how=f"a store on {addr}:{port} ({how}; port {port_var})",
     )
     return Reading(

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 from hora.common.config import lookup
 from hora.common.job import store_keys as keys
-from hora.common.job.store import StoreClient
+from hora.common.job.store import AuthenticationError, StoreClient, tampering
 from hora.common.job.topology import Topology
 from hora.common.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
 
@@ -156,8 +156,13 @@ def publish_round(store: StoreClient, plan: RoundPlan) -> None:
 
 
 def reset_requested(store: StoreClient, number: int) -> bool:
-    """Whether a worker of round ``number`` asked for a new round."""
-    return store.check(reset_key(number))
+    """Whether a worker of round ``number`` asked for a new round (a forged request is
+    logged and ignored: it must not burn the job's reset limit)."""
+    try:
+        return store.marked(reset_key(number))
+    except AuthenticationError as exc:
+        logger.error("%s", tampering(exc))
+        return False
 
 
 def publish_host_update(store: StoreClient, number: int, flags: int) -> None:
@@ -209,7 +214,7 @@ def request_reset() -> None:
     """Ask the driver for a new round (this round's collectives failed). Best effort."""
     if progress.plan is not None:
         try:
-            base_store().set_signed(reset_key(progress.plan.number), b"")
+            base_store().mark(reset_key(progress.plan.number))
         except Exception:  # noqa: BLE001 - the driver also notices exits on its own
             logger.debug("could not ask the elastic driver for a new round", exc_info=True)
 
@@ -311,13 +316,13 @@ def _gather(
     worker_id: str,
 ) -> bool:
     """Meet the round's other workers; ``False`` when a newer round replaced it meanwhile."""
-    store.set_signed(arrived_key(rank), b"")
-    everyone = [store.key(arrived_key(r)) for r in range(plan.size)]
-    while not store.store.check(everyone):
+    store.mark(arrived_key(rank))
+    everyone = [arrived_key(r) for r in range(plan.size)]
+    while not store.all_marked(everyone):
         if _current_round(base) > plan.number:
             return False
         if time.monotonic() > deadline:
-            missing = [r for r in range(plan.size) if not store.check(arrived_key(r))]
+            missing = [r for r in range(plan.size) if not store.marked(arrived_key(r))]
             names = [w for w in plan.ranked() if plan.workers[w].rank in missing]
             raise TimeoutError(
                 f"hora elastic: worker {worker_id} (rank {rank} of round {plan.number}) waited "

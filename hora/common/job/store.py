@@ -9,9 +9,15 @@ a ``TCPStore`` without access control) under a key prefix (see
 * every key lives under a namespace derived from the per-job secret;
 * every value hora itself parses is signed with HMAC-SHA256 under the secret, and verified before
   it is decoded. Nothing is ever unpickled before its signature checks out;
-* a value written through :meth:`StoreClient.set_signed` is signed together with its key's name
-  (under a key derived from the secret for that purpose), so a signed value copied to another key
-  (a replayed or relabelled value) is rejected too.
+* a value written through :meth:`StoreClient.set_signed` is signed together with its key's full
+  name (under a key derived from the secret for that purpose). That name holds the job's
+  namespace, the elastic round's prefix and the engine generation, so a signed value copied to
+  another key, or replayed from an earlier round or generation, is rejected too;
+* nothing is trusted for its mere existence: a *mark* (a key whose presence means something, such
+  as "rank 3 is alive" or "round 2 wants a reset") holds a signed empty value, and
+  :meth:`StoreClient.marked` and :meth:`StoreClient.wait` verify it before they say it is there.
+  A forged value raises :class:`AuthenticationError`, which the callers turn into an error that
+  names tampering.
 
 This module knows stores and bytes; it does not know the engine.
 """
@@ -70,7 +76,9 @@ def sign(secret: str, data: bytes, key: str | None = None) -> bytes:
     return _tag(secret, data, key) + data
 
 
-def verify(secret: str, blob: bytes, what: str = "value", key: str | None = None) -> bytes:
+def verify(
+    secret: str, blob: bytes, what: str = "value", key: str | None = None, shown: str = ""
+) -> bytes:
     """The data inside a signed blob.
 
     Args:
@@ -78,6 +86,7 @@ def verify(secret: str, blob: bytes, what: str = "value", key: str | None = None
         blob: what :func:`sign` returned.
         what: how to name the value in an error.
         key: the store key the value was read from, when it was signed with one.
+        shown: the key's name as an error shows it (default: ``key``).
 
     Raises:
         AuthenticationError: the tag does not match (wrong secret, a forged blob, or a signed
@@ -88,13 +97,32 @@ def verify(secret: str, blob: bytes, what: str = "value", key: str | None = None
     tag, data = blob[:TAG_BYTES], blob[TAG_BYTES:]
     if not hmac.compare_digest(tag, _tag(secret, data, key)):
         where = (
-            "" if key is None else f" for key {key!r} (it may have been copied from another key)"
+            ""
+            if key is None
+            else f" for key {shown or key!r} (it may have been copied from another key)"
         )
         raise AuthenticationError(
             f"rejected a {what} that was not signed with this job's secret{where}; another "
             "process may be writing to the job's rendezvous port"
         )
     return data
+
+
+def put_mark(store: Any, key: str, secret: str) -> None:
+    """Write a mark (a signed empty value bound to ``key``) into a raw ``torch`` store."""
+    store.set(key, sign(secret, b"", key=key))
+
+
+def has_mark(store: Any, key: str, secret: str) -> bool:
+    """Whether a raw ``torch`` store holds a genuine mark under ``key``.
+
+    Raises:
+        AuthenticationError: the key holds a value this job did not write.
+    """
+    if not store.check([key]):
+        return False
+    verify(secret, bytes(store.get(key)), what=f"mark {key!r}", key=key)
+    return True
 
 
 def start_store_server(bind_address: str, port: int, secret: str) -> tuple[StoreServer, int]:
@@ -209,32 +237,73 @@ class StoreClient:
 
         return dist.PrefixStore(f"{self.namespace}/{scope}/", self.store)
 
+    def signed(self, name: str, data: bytes) -> bytes:
+        """``data`` signed for the key ``name`` (for a ``compare_set`` of a signed value)."""
+        return sign(self.secret, data, key=self.key(name))
+
     def set_signed(self, name: str, data: bytes) -> None:
-        """Write ``data`` under ``name``, signed together with the key's name."""
-        self.store.set(self.key(name), sign(self.secret, data, key=name))
+        """Write ``data`` under ``name``, signed together with the key's full name."""
+        self.store.set(self.key(name), self.signed(name, data))
+
+    def verified(self, name: str, blob: bytes) -> bytes:
+        """The data of ``blob``, read from the key ``name``, once its signature checks out."""
+        return verify(self.secret, blob, f"store value {name!r}", self.key(name), name)
 
     def get_signed(self, name: str) -> bytes:
         """The verified value of a key (blocks until it exists, up to the store timeout).
 
         Raises:
             AuthenticationError: the value was not written by :meth:`set_signed` of this job
-                under this very key.
+                under this very key (a forged, moved or replayed value).
         """
-        blob = bytes(self.store.get(self.key(name)))
-        return verify(self.secret, blob, what=f"store value {name!r}", key=name)
+        return self.verified(name, bytes(self.store.get(self.key(name))))
+
+    def mark(self, name: str) -> None:
+        """Set a mark: a key whose presence is what it says, holding a signed empty value."""
+        self.set_signed(name, b"")
+
+    def marked(self, name: str) -> bool:
+        """Whether ``name`` holds a genuine value (a mark, or any value of :meth:`set_signed`).
+
+        Raises:
+            AuthenticationError: the key holds a value this job did not write.
+        """
+        if not self.store.check([self.key(name)]):
+            return False
+        self.get_signed(name)
+        return True
+
+    def all_marked(self, names: list[str]) -> bool:
+        """Whether every key of ``names`` holds a genuine value (one round trip when not).
+
+        Raises:
+            AuthenticationError: one of the keys holds a value this job did not write.
+        """
+        keys = [self.key(name) for name in names]
+        if not self.store.check(keys):
+            return False
+        for name, blob in zip(names, self.store.multi_get(keys)):
+            self.verified(name, bytes(blob))
+        return True
 
     def check(self, name: str) -> bool:
+        """Whether the key exists, genuine or not: for keys read with :meth:`get_signed` next."""
         return bool(self.store.check([self.key(name)]))
 
     def wait(self, name: str, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for a key to exist; ``False`` on timeout."""
+        """Wait up to ``timeout_s`` for a key to hold a genuine value; ``False`` on timeout.
+
+        Raises:
+            AuthenticationError: the key holds a value this job did not write.
+        """
         try:
             self.store.wait([self.key(name)], timedelta(seconds=timeout_s))
-            return True
         except RuntimeError as exc:
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 return False
             raise
+        self.get_signed(name)
+        return True
 
     def delete(self, name: str) -> None:
         try:
@@ -244,18 +313,32 @@ class StoreClient:
 
 
 def read_failure(store: StoreClient) -> str:
-    """The job's first failure report (see :func:`report_failure`), or ``""``."""
+    """The job's first failure report (see :func:`report_failure`), or ``""``.
+
+    Raises:
+        AuthenticationError: the failure key holds a report this job did not write.
+    """
     if not store.check(FAILURE):
         return ""
-    return bytes(store.store.get(store.key(FAILURE))).decode(errors="replace")
+    return store.get_signed(FAILURE).decode(errors="replace")
 
 
 def report_failure(store: StoreClient, text: str) -> None:
     """Mark the job failed (first report wins) and wake ranks parked on their doorbell."""
     try:
-        store.store.compare_set(store.key(FAILURE), "", text.encode())
+        store.store.compare_set(store.key(FAILURE), "", store.signed(FAILURE, text.encode()))
     except RuntimeError:
         pass
     if store.check(PARKED):
         wake_key = store.get_signed(PARKED).decode(errors="replace")
-        store.set_signed(wake_key, b"")
+        store.mark(wake_key)
+
+
+def tampering(exc: AuthenticationError, rank: int | None = None) -> str:
+    """The message for a job that found a value in its store it did not write."""
+    who = "hora" if rank is None else f"rank {rank}"
+    return (
+        f"{who} found tampering in the job's store: {exc}. The job stopped rather than act on "
+        "it. Run jobs on hosts and networks other users cannot reach, and give every job a "
+        "secret (docs/security.md)."
+    )

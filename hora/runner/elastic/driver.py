@@ -401,7 +401,7 @@ class Driver:
         """The workers that reached ``plan``'s barrier (all of them, if the store cannot say)."""
         try:
             store = self._round_store(plan.number)
-            return {w for w, a in plan.workers.items() if store.check(arrived_key(a.rank))}
+            return {w for w, a in plan.workers.items() if store.marked(arrived_key(a.rank))}
         except Exception:  # noqa: BLE001 - then the round counts as formed
             return set(plan.workers)
 
