@@ -5,9 +5,11 @@ For each start of a job (a Ray Train worker group, or :meth:`RayExecutor.start`)
 1. every worker says where it runs (Ray node id and address, host name);
 2. ranks follow the group's order; local ranks number the workers of one node in rank order, and
    cross ranks number the workers with the same local rank (Horovod's definitions);
-3. rank 0's worker starts a fresh rendezvous store (``TCPStore``) with a fresh job secret,
-   listening on ``127.0.0.1`` when every worker is on one node, else on rank 0's node address
-   (``ray.util.get_node_ip_address()``), never on every interface;
+3. rank 0's worker makes a fresh job secret and starts hora's store service with it, listening
+   on ``127.0.0.1`` when every worker is on one node, else on rank 0's node address
+   (``ray.util.get_node_ip_address()``), never on every interface; it seals one copy of the
+   secret to each worker's public key, so the driver and Ray only ever carry sealed copies
+   (:mod:`hora.ray._worker`);
 4. every worker gets its ``HORA_*`` variables (and the ``HOROVOD_*`` twins of the topology
    ones), so the user's function only calls ``hvd.init()``.
 
@@ -23,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.common.job.store import new_secret
 from hora.ray import _worker
 from hora.runner.hosts import Slot
 
@@ -148,18 +149,22 @@ def start(
     one_node = len(set(nodes)) == 1
     address = LOOPBACK if one_node else infos[0]["node_ip"]
     token = uuid.uuid4().hex
-    secret = new_secret()
-    port = group.call_one(0, _worker.host_rendezvous, token, address, secret, options.timeout_s)
-    common = dict(options.env)
+    keys = [info["public_key"] for info in infos]
+    port, sealed = group.call_one(
+        0, _worker.host_rendezvous, token, address, keys, options.timeout_s
+    )
+    common = {k: v for k, v in options.env.items() if k != "HORA_SECRET_KEY"}
     common.update(
         {
             "HORA_RENDEZVOUS_ADDR": address,
             "HORA_RENDEZVOUS_PORT": str(port),
-            "HORA_SECRET_KEY": secret,
             "HORA_START_TIMEOUT": f"{options.timeout_s:g}",
         }
     )
-    group.call_each(_worker.set_env, [({**common, **p.env()},) for p in placements])
+    group.call_each(
+        _worker.set_env,
+        [({**common, **p.env()}, _worker.STALE_VARS, box) for p, box in zip(placements, sealed)],
+    )
     logger.debug(
         "hora set up on %d Ray workers; store on rank 0's worker at %s:%d", size, address, port
     )

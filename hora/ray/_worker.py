@@ -3,6 +3,14 @@
 Ray sends these functions to the workers by reference (``hora.ray._worker.<name>``), so every
 node needs hora installed, as it needs Ray. Nothing here talks to Ray's control plane; the
 driver side (:mod:`hora.ray._setup`) calls these through a worker group or on actors.
+
+The job secret never travels in clear: each worker process has an X25519 key pair and reports
+its public key (:func:`describe`); rank 0's worker makes the secret and seals one copy to each
+worker's public key (:func:`seal`), and each worker opens its own copy (:func:`set_env`). Ray
+carries only the sealed copies, so the secret is not in Ray's task arguments, object store or
+logs. An attacker who can run tasks on the Ray cluster can still read any worker's memory: Ray's
+own token authentication and TLS are what keep such people off a shared cluster
+(docs/ray.md).
 """
 
 from __future__ import annotations
@@ -27,6 +35,76 @@ STALE_VARS = (
 _lock = threading.Lock()
 # Rendezvous stores this process hosts, by the token of the start that created them.
 _servers: dict[str, Any] = {}
+# This process's X25519 private key (made on first use), for the sealed job secret.
+_own_key: list[Any] = []
+_SEAL_INFO = b"hora-ray-sealed-secret"
+
+
+def _private_key() -> Any:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    with _lock:
+        if not _own_key:
+            _own_key.append(X25519PrivateKey.generate())
+        return _own_key[0]
+
+
+def _raw_public(key: Any) -> bytes:
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    return bytes(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+
+
+def _box_key(shared: bytes, sender: bytes, recipient: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    hkdf = HKDF(hashes.SHA256(), 32, salt=None, info=_SEAL_INFO + sender + recipient)
+    return bytes(hkdf.derive(shared))
+
+
+def seal(secret: str, public_key_hex: str) -> str:
+    """``secret`` encrypted to the worker whose public key is ``public_key_hex``, as hex.
+
+    A fresh ephemeral key pair per copy (ECDH with X25519, HKDF-SHA256, ChaCha20-Poly1305):
+    only the holder of the matching private key can open it, and any change is detected.
+    """
+    from cryptography.hazmat.primitives.asymmetric.x25519 import (
+        X25519PrivateKey,
+        X25519PublicKey,
+    )
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    recipient = bytes.fromhex(public_key_hex)
+    ephemeral = X25519PrivateKey.generate()
+    sender = _raw_public(ephemeral)
+    shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(recipient))
+    box = ChaCha20Poly1305(_box_key(shared, sender, recipient))
+    return (sender + box.encrypt(bytes(12), secret.encode(), sender)).hex()
+
+
+def unseal(sealed_hex: str) -> str:
+    """Open a copy that :func:`seal` made for this process's public key.
+
+    Raises:
+        ValueError: the copy was made for another process, or was changed on the way.
+    """
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    sealed = bytes.fromhex(sealed_hex)
+    sender, ciphertext = sealed[:32], sealed[32:]
+    key = _private_key()
+    shared = key.exchange(X25519PublicKey.from_public_bytes(sender))
+    box = ChaCha20Poly1305(_box_key(shared, sender, _raw_public(key)))
+    try:
+        return box.decrypt(bytes(12), ciphertext, sender).decode()
+    except InvalidTag:
+        raise ValueError(
+            f"the sealed job secret sent to this Ray worker (pid {os.getpid()}) does not open "
+            "with its key: it was made for another worker or changed on the way."
+        ) from None
 
 
 def describe() -> dict[str, Any]:
@@ -44,24 +122,32 @@ def describe() -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "gpu_ids": gpu_ids,
+        "public_key": _raw_public(_private_key()).hex(),
     }
 
 
-def host_rendezvous(token: str, bind_address: str, secret: str, timeout_s: float) -> int:
-    """Start the job's rendezvous store in this process; returns its port.
+def host_rendezvous(
+    token: str, bind_address: str, public_keys: list[str], timeout_s: float
+) -> tuple[int, list[str]]:
+    """Make a fresh job secret and start the job's store in this process.
 
     Args:
         token: names this start of the job; :func:`close_rendezvous` closes by it.
         bind_address: the only address the store listens on (never ``0.0.0.0``).
-        secret: the job's fresh secret.
+        public_keys: every worker's public key (from :func:`describe`), in rank order.
         timeout_s: how long store operations may block.
+
+    Returns:
+        The store's port, and the secret sealed to each worker's key, in rank order.
     """
+    from hora.common.job.store import new_secret
     from hora.runner.store_server import RendezvousServer
 
+    secret = new_secret()
     server = RendezvousServer(bind_address, secret=secret, timeout_s=timeout_s)
     with _lock:
         _servers[token] = server
-    return int(server.port)
+    return int(server.port), [seal(secret, key) for key in public_keys]
 
 
 def close_rendezvous(token: str) -> bool:
@@ -74,10 +160,14 @@ def close_rendezvous(token: str) -> bool:
     return True
 
 
-def set_env(env: dict[str, str], unset: tuple[str, ...] = STALE_VARS) -> None:
-    """Export ``env`` in this process (removing ``unset`` first) for ``hvd.init()`` to read."""
+def set_env(env: dict[str, str], unset: tuple[str, ...] = STALE_VARS, sealed: str = "") -> None:
+    """Export ``env`` in this process (removing ``unset`` first) for ``hvd.init()`` to read;
+    ``sealed``, the job secret sealed to this process (:func:`seal`), becomes
+    ``HORA_SECRET_KEY``."""
     for name in unset:
         os.environ.pop(name, None)
+    if sealed:
+        os.environ["HORA_SECRET_KEY"] = unseal(sealed)
     os.environ.update({k: str(v) for k, v in env.items()})
 
 

@@ -352,6 +352,10 @@ def test_ray_executor_runs_hora_collectives(ray_cluster):
         assert executor.run(reinit_and_average) == [0.5, 0.5]
         first_secret = executor.run(worker_env, args=["HORA_SECRET_KEY"])
         assert first_secret[0] and first_secret[0] == first_secret[1]
+        # The secret was made in rank 0's worker and reached the others sealed: the driver
+        # never held it.
+        assert first_secret[0] not in repr(vars(executor._rendezvous))
+        assert first_secret[0] not in os.environ.values()
         assert executor.run(worker_env, args=["HORA_RENDEZVOUS_ADDR"]) == ["127.0.0.1"] * 2
         workers = list(executor.workers)
     finally:
