@@ -76,8 +76,11 @@ def _configure_logging(level: str) -> None:
 
 
 def _communicator_factory(topology: Topology, settings: Settings, store: StoreClient) -> Any:
-    from hora.common.transport.gloo import GlooCommunicator, make_device
+    from hora.common.transport.gloo import GlooCommunicator, make_device, raise_open_file_limit
 
+    old, new = raise_open_file_limit()
+    if new != old:
+        logger.debug("rank %d raised its open-file limit from %d to %d", topology.rank, old, new)
     interface = lookup("GLOO_IFACE") or os.environ.get("GLOO_SOCKET_IFNAME", "")
     bind = "127.0.0.1" if topology.all_local and not interface else ""
     device = make_device(bind, interface)

@@ -83,3 +83,37 @@ def test_the_trap_fires_when_unpickled(tmp_path: Path) -> None:
     trap = tmp_path / "unpickled"
     pickle.loads(pickle.dumps(_Trap(str(trap)))).close()
     assert trap.exists()
+
+
+OPEN_FILES = (
+    "import resource, hora.torch as hvd; hvd.init(); "
+    "print('LIMIT', resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True); hvd.shutdown()"
+)
+
+
+@pytest.mark.timeout(120)
+def test_workers_raise_a_low_open_file_limit() -> None:
+    """Gloo keeps every stray connection to its ports; a worker started with a soft limit of
+    256 files raises it (within the hard limit) so that its own pairs still fit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit on open files is only {hard}")
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "hora.runner.launch", "-np", "2", sys.executable, "-c", OPEN_FILES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        preexec_fn=lower,
+    )
+    assert done.returncode == 0, done.stderr
+    limits = [int(line.split("LIMIT ")[1]) for line in done.stdout.splitlines() if "LIMIT " in line]
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    assert limits == [wanted, wanted], done.stdout

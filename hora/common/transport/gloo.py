@@ -32,6 +32,31 @@ def gloo_available() -> bool:
     return bool(dist.is_available() and dist.is_gloo_available())
 
 
+# The soft limit on open files that hora raises a worker to (never above the hard limit).
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
+    """Raise this process's soft limit on open files towards ``wanted`` (within the hard limit).
+
+    Gloo accepts every connection to its listening ports and keeps it; hora cannot refuse them
+    (docs/security.md). Many systems start processes with a soft limit of 1024 under a much
+    higher hard limit; raising it leaves the worker room for its own pairs when stray
+    connections arrive. Returns the ``(old, new)`` soft limit.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (ValueError, OSError):
+            pass
+    return soft, soft
+
+
 def make_device(bind_address: str, interface: str) -> Any:
     """The Gloo network device: a named interface, an address, or Gloo's default."""
     if interface:
