@@ -265,6 +265,14 @@ START_TIMEOUT = Variable(
     "Seconds a worker (`hvd.init()`, or a `hora.run` worker fetching its function) may take to "
     "reach the job's rendezvous store.",
 )  # fmt: skip
+LAUNCHER_TIMEOUT_SECONDS = Variable(
+    "LAUNCHER_TIMEOUT_SECONDS", NUMBER, 60.0,
+    "Read by `horarun` and `hora.run`, not by `hvd.init()`. The launcher tells each worker's "
+    "watchdog that it is alive once a second; a watchdog that hears nothing for this long (the "
+    "launcher is stopped, say by `SIGSTOP` or Ctrl-Z, or hung, or its host is unreachable) stops "
+    "its worker. See [docs/errors.md](errors.md#the-launcher-is-killed-or-stopped).",
+    bounds=POSITIVE, unit="seconds", horovod=False,
+)  # fmt: skip
 LAUNCHER = Variable(
     "LAUNCHER", OPTIONAL_TEXT, None,
     "Which launcher's variables `hvd.init()` reads: `horarun`, `torchrun`, `mpi`, `slurm`, `env` "
@@ -378,6 +386,21 @@ ELASTIC_TIMEOUT = Variable(
     "`horarun` sets it to `--elastic-timeout` plus 10.",
     bounds=POSITIVE, unit="seconds", table="elastic",
 )  # fmt: skip
+ELASTIC_COMMIT_DIR = Variable(
+    "ELASTIC_COMMIT_DIR", OPTIONAL_TEXT, None,
+    "Yours to set, not `horarun`'s: a directory where rank 0 also writes every "
+    "`state.commit()` of an `hvd.elastic` state, atomically, and from which a job started "
+    "again resumes (the `commit_dir` argument of `ObjectState`/`TorchState` wins). See "
+    "[docs/elastic.md](elastic.md#durable-commits).",
+    horovod=False, table="elastic",
+)  # fmt: skip
+HOST_DISCOVERY_TIMEOUT = Variable(
+    "HOST_DISCOVERY_TIMEOUT", NUMBER, 60.0,
+    "Read by `horarun`: seconds one run of `--host-discovery-script` may take. A run that takes "
+    "longer is stopped, with everything it started, and counts as a failed run (at the start, "
+    "the job does not start).",
+    bounds=POSITIVE, unit="seconds", horovod=False, table="elastic",
+)  # fmt: skip
 
 VARIABLES: tuple[Variable[Any], ...] = (
     FUSION_THRESHOLD,
@@ -401,6 +424,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     LOG_HIDE_TIME,
     GLOO_IFACE,
     START_TIMEOUT,
+    LAUNCHER_TIMEOUT_SECONDS,
     LAUNCHER,
     MPI4PY,
     RANK,
@@ -420,6 +444,8 @@ VARIABLES: tuple[Variable[Any], ...] = (
     ELASTIC,
     ELASTIC_ID,
     ELASTIC_TIMEOUT,
+    ELASTIC_COMMIT_DIR,
+    HOST_DISCOVERY_TIMEOUT,
 )
 
 BY_NAME: dict[str, Variable[Any]] = {variable.name: variable for variable in VARIABLES}

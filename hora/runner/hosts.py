@@ -5,6 +5,7 @@ This module knows host names and counts; it does not start processes.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from dataclasses import dataclass
@@ -54,38 +55,83 @@ class Slot:
 
 
 def parse_hosts(text: str) -> list[Host]:
-    """Parse ``"a:4,b:4"`` (a bare name means one slot).
+    """Parse ``"a:4,b:4"`` (a bare name means one slot; an IPv6 address goes in brackets,
+    ``[::1]:2``).
 
     Raises:
-        HostError: an entry is empty or its slot count is not a positive integer.
+        HostError: an entry is empty, its host is not a name or an address, its slot count is
+            not a positive integer, or a host is listed twice.
     """
     hosts: list[Host] = []
-    seen: set[str] = set()
     for raw in text.split(","):
         item = raw.strip()
         if not item:
             raise HostError(f"empty entry in host list {text!r}; use host:slots,host:slots.")
-        name, count = split_entry(item)
-        if count is None:
-            count = "1"
-        if not name:
-            raise HostError(f"host list entry {item!r} has no host name.")
-        _check_name(name, item)
         try:
-            slots = slot_count(count)
+            name, count = split_entry(item)
+        except ValueError as exc:
+            raise HostError(f"host list: {exc}.") from None
+        try:
+            slots = 1 if count is None else slot_count(count)
         except ValueError as exc:
             raise HostError(f"host list entry {item!r}: {exc}.") from None
-        if name in seen:
-            raise HostError(f"host {name!r} appears twice in {text!r}.")
-        seen.add(name)
+        first = _find(hosts, name)
+        if first is not None:
+            raise HostError(
+                f"host {name!r} appears twice in host list {text!r}. List each host once, with "
+                f"all its slots ({_entry(first.name, first.slots + slots)})."
+            )
         hosts.append(Host(name, slots))
     return hosts
 
 
+def _find(hosts: list[Host], name: str) -> Host | None:
+    """The host of ``hosts`` named ``name`` (host names are not case-sensitive)."""
+    return next((host for host in hosts if host.name.lower() == name.lower()), None)
+
+
+def _entry(name: str, slots: int) -> str:
+    """``name:slots`` as ``-H`` takes it (``[::1]:2`` for an IPv6 address)."""
+    return f"[{name}]:{slots}" if ":" in name else f"{name}:{slots}"
+
+
 def split_entry(text: str) -> tuple[str, str | None]:
-    """``host:slots`` as ``(host, slots)``; ``host`` alone as ``(host, None)``."""
-    name, sep, count = text.rpartition(":")
-    return (name, count) if sep else (text, None)
+    """``host:slots`` as ``(host, slots)``; ``host`` alone as ``(host, None)``; an IPv6 address
+    in brackets, ``[::1]:2`` or ``[::1]``, as ``("::1", "2")`` or ``("::1", None)``.
+
+    Raises:
+        ValueError: the host is not a host name or an address; the message says why, for the
+            user.
+    """
+    if text.startswith("["):
+        address, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(
+                f"{text!r}: write an IPv6 address in brackets, then the slots: [::1]:2"
+            )
+        return ipv6_address(address), (rest[1:] if rest else None)
+    if text.count(":") > 1:
+        raise ValueError(
+            f"{text!r}: an IPv6 address goes in brackets, as in [::1]:2 (without them, the "
+            "address and the slot count cannot be told apart)"
+        )
+    name, sep, count = text.partition(":")
+    if not name:
+        raise ValueError(f"{text!r} has no host name")
+    check_name(name)
+    return name, (count if sep else None)
+
+
+def ipv6_address(text: str) -> str:
+    """The IPv6 address ``text`` in its short form (``::1``).
+
+    Raises:
+        ValueError: it is not one.
+    """
+    try:
+        return str(ipaddress.IPv6Address(text))
+    except ValueError:
+        raise ValueError(f"{text!r} is not an IPv6 address") from None
 
 
 def slot_count(text: str) -> int:
@@ -97,20 +143,29 @@ def slot_count(text: str) -> int:
     try:
         slots = int(text)
     except ValueError:
-        raise ValueError("slots must be an integer (host:slots)") from None
+        raise ValueError(
+            f"slots must be an integer (host:slots), got {text!r}"
+            if text
+            else "no slot count after ':' (host:slots)"
+        ) from None
     if slots < 1:
-        raise ValueError("slots must be >= 1")
+        raise ValueError(f"slots must be >= 1 (the number of workers on the host), got {slots}")
     return slots
 
 
 _NAME = re.compile(r"^[\w.@-]+$")
 
 
-def _check_name(name: str, item: str) -> None:
+def check_name(name: str) -> None:
+    """Refuse what is not a host name or an IPv4 address (an ssh option, a shell word).
+
+    Raises:
+        ValueError: the message says why, for the user.
+    """
     if name.startswith("-") or not _NAME.match(name):
-        raise HostError(
-            f"host entry {item!r}: {name!r} is not a host name or address "
-            "(letters, digits, '.', '-', '_' and '@' only)."
+        raise ValueError(
+            f"{name!r} is not a host name or address (letters, digits, '.', '-', '_' and '@' "
+            "only; an IPv6 address goes in brackets: [::1]:2)"
         )
 
 
@@ -137,36 +192,69 @@ def _hostfile_text(path: str) -> str:
 def parse_hostfile(path: str) -> list[Host]:
     """Read a hostfile: one host per line, as ``host slots=N`` (Horovod's and Open MPI's form)
     or ``host:N``; a bare host means one slot. ``#`` starts a comment; blank lines are skipped.
+    An IPv6 address is written ``[::1]:2``, ``[::1] slots=2`` or ``::1 slots=2``.
 
     Raises:
-        HostError: the file cannot be read, or a line is malformed (the message gives its number).
+        HostError: the file cannot be read, a line is malformed, or a host is listed twice (the
+            message gives the line's number).
     """
     text = _hostfile_text(path)
-    entries: list[str] = []
+    hosts: list[Host] = []
+    lines: dict[str, int] = {}  # where each host was first listed
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        words = line.split()
-        name, slots = words[0], "1"
-        if len(words) == 1 and ":" in name:
-            name, _, slots = name.rpartition(":")
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if key == "slots" and sep:
-                slots = value
-            elif key != "max_slots" or not sep:
-                raise HostError(
-                    f"{path}, line {number}: cannot read {raw.strip()!r}; write `host slots=N` "
-                    "or `host:N`."
-                )
-        entries.append(f"{name}:{slots}")
-    if not entries:
+        host = _hostfile_line(path, number, line)
+        first = _find(hosts, host.name)
+        if first is not None:
+            shown = f"[{first.name}]" if ":" in first.name else first.name
+            raise HostError(
+                f"{path}, line {number}: host {host.name!r} appears twice (first on line "
+                f"{lines[first.name]}). List each host once, with all its slots "
+                f"(`{shown} slots={first.slots + host.slots}`)."
+            )
+        lines[host.name] = number
+        hosts.append(host)
+    if not hosts:
         raise HostError(f"hostfile {path!r} lists no hosts.")
+    return hosts
+
+
+def _hostfile_line(path: str, number: int, line: str) -> Host:
+    """The host on one line of a hostfile (comment already removed).
+
+    Raises:
+        HostError: the line is malformed; the message gives its number.
+    """
+    words = line.split()
+    slots: str | None = None
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if key == "slots" and sep:
+            slots = value
+        elif key != "max_slots" or not sep:
+            raise HostError(
+                f"{path}, line {number}: cannot read {line!r}; write `host slots=N` or `host:N`."
+            )
     try:
-        return parse_hosts(",".join(entries))
-    except HostError as exc:
-        raise HostError(f"{path}: {exc}") from None
+        name, count = _hostfile_name(words[0], with_words=len(words) > 1)
+    except ValueError as exc:
+        raise HostError(f"{path}, line {number}: {exc}.") from None
+    try:
+        if count is not None and slots is not None:
+            raise ValueError("it gives the slots twice; write `host slots=N` or `host:N`")
+        return Host(name, slot_count(count or slots or "1"))
+    except ValueError as exc:
+        raise HostError(f"{path}, line {number}: {line!r}: {exc}.") from None
+
+
+def _hostfile_name(word: str, with_words: bool) -> tuple[str, str | None]:
+    """The host (and ``:slots``) of a hostfile line's first word. Followed by ``slots=N``, an
+    IPv6 address needs no brackets: ``::1 slots=2`` cannot be misread."""
+    if with_words and word.count(":") > 1 and not word.startswith("["):
+        return ipv6_address(word), None
+    return split_entry(word)
 
 
 def assign_slots(hosts: list[Host], np: int) -> list[Slot]:

@@ -145,6 +145,7 @@ class Job:
         record_exits: bool = True,
         handle_signals: bool = False,
         say: Callable[[str], None] = _quiet,
+        launcher_timeout_s: float | None = None,
     ) -> Job:
         """Start the job's store (with a fresh secret) and make its supervisor.
 
@@ -158,12 +159,16 @@ class Job:
                 elastic driver records it in the round's space itself).
             handle_signals: Ctrl-C or TERM stops every worker before the process exits.
             say: logs a line under ``--verbose``.
+            launcher_timeout_s: how long a watchdog waits for this launcher's heartbeat before
+                it stops its worker (default ``HORA_LAUNCHER_TIMEOUT_SECONDS``).
         """
         network = network or Network()
         server = RendezvousServer(network.bind_address)
         say(f"rendezvous store listening on {server.address}:{server.port}")
         supervisor = Supervisor(
-            on_exit=server.record_exit if record_exits else None, forwarder=forwarder
+            on_exit=server.record_exit if record_exits else None,
+            forwarder=forwarder,
+            launcher_timeout_s=launcher_timeout_s,
         )
         if handle_signals:
             install_signal_handlers(supervisor)
@@ -250,4 +255,5 @@ def open_job(args: argparse.Namespace, plan: Plan, say: Callable[[str], None]) -
         record_exits=plan.record_exits,
         handle_signals=True,
         say=say,
+        launcher_timeout_s=getattr(args, "launcher_timeout_s", None),
     )

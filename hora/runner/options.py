@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hora.common.settings_table import LOG_LEVELS
+from hora.common import config
+from hora.common.settings_table import (
+    HOST_DISCOVERY_TIMEOUT,
+    LAUNCHER_TIMEOUT_SECONDS,
+    LOG_LEVELS,
+    Variable,
+)
 from hora.runner.flags import BY_DEST, GROUPS, OPTIONS, Option
 
 __all__ = [
@@ -27,6 +33,7 @@ __all__ = [
     "OptionError",
     "build_parser",
     "engine_env",
+    "env_seconds",
     "is_elastic",
     "notes",
     "parse",
@@ -310,7 +317,25 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         interfaces += [i.strip() for i in args.network_interfaces.split(",") if i.strip()]
     args.interfaces = list(dict.fromkeys(interfaces))
     _validate(args)
+    args.launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
+    args.host_discovery_timeout_s = env_seconds(HOST_DISCOVERY_TIMEOUT)
     return args
+
+
+def env_seconds(variable: Variable[float], env: Mapping[str, str] | None = None) -> float:
+    """A launcher setting in seconds, from its ``HORA_*`` variable (``env``: default ours).
+
+    Raises:
+        OptionError: the value is not a number or out of range; the message names the variable.
+    """
+    try:
+        value = config.read(variable, env)
+    except config.SettingError as exc:
+        raise OptionError(str(exc)) from None
+    problem = variable.problem(value)
+    if problem is not None:
+        raise OptionError(problem)
+    return float(value)
 
 
 def notes(args: argparse.Namespace) -> list[str]:

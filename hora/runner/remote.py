@@ -210,8 +210,11 @@ def stdin_payload(
     cwd: str,
     host: str,
     grace_s: float,
+    launcher_timeout_s: float | None = None,
 ) -> bytes:
-    """What the launcher writes to a remote worker's ssh: the bootstrap, then the job."""
+    """What the launcher writes to a worker's watchdog (here, or through ssh): the bootstrap,
+    then the job. ``launcher_timeout_s``: the heartbeats' silence after which the watchdog
+    stops the worker (``None``: never)."""
     source = Path(watchdog.__file__).read_bytes()
     job: dict[str, Any] = {
         "argv": list(argv),
@@ -220,6 +223,8 @@ def stdin_payload(
         "host": host,
         "grace_s": grace_s,
     }
+    if launcher_timeout_s is not None:
+        job["launcher_timeout_s"] = launcher_timeout_s
     return b"%d\n" % len(source) + source + watchdog.encode_job(job)
 
 
@@ -259,23 +264,13 @@ def rendezvous_address(
         HostError: a host's name does not resolve, or the hosts are reached through different
             local addresses.
     """
-    import socket
-
     if not remote_hosts:
         return "127.0.0.1"
     if interfaces:
         return interface_address(interfaces[0])
     by_source: dict[str, list[str]] = {}
     for host in remote_hosts:
-        target = ssh_hostname(host, settings)
-        try:
-            address = str(socket.getaddrinfo(target, None, socket.AF_INET)[0][4][0])
-            source = watchdog.source_address_towards(address)
-        except OSError as exc:
-            raise HostError(
-                f"cannot find how this machine reaches host {host!r} ({target}): {exc}. "
-                "Name an interface with --network-interface."
-            ) from None
+        source = _source_towards(host, ssh_hostname(host, settings))
         by_source.setdefault(source, []).append(host)
     if len(by_source) > 1:
         routes = "; ".join(f"{', '.join(h)} through {a}" for a, h in by_source.items())
@@ -285,6 +280,42 @@ def rendezvous_address(
             "interface every host can reach."
         )
     return next(iter(by_source))
+
+
+def _source_towards(host: str, target: str) -> str:
+    """The local IPv4 address through which this machine reaches ``host`` (ssh's ``target``).
+
+    Raises:
+        HostError: its name does not resolve to an IPv4 address, or no route leads there.
+    """
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.IPv6Address(target.split("%", 1)[0])
+    except ValueError:
+        pass
+    else:
+        raise HostError(
+            f"host {host!r} is an IPv6 address, but a job spanning hosts reaches them over "
+            "IPv4 (the rendezvous store and Gloo listen on an IPv4 address). Name the host by "
+            "its IPv4 address or by a name that resolves to one."
+        )
+    try:
+        address = str(socket.getaddrinfo(target, None, socket.AF_INET)[0][4][0])
+    except (OSError, UnicodeError) as exc:
+        alias = f" (ssh connects to {target})" if target != host else ""
+        raise HostError(
+            f"host {host!r}{alias} does not resolve to an IPv4 address "
+            f"({getattr(exc, 'strerror', None) or exc}). Check its spelling, DNS or /etc/hosts."
+        ) from None
+    try:
+        return watchdog.source_address_towards(address)
+    except OSError as exc:
+        raise HostError(
+            f"cannot find how this machine reaches host {host!r} ({address}): "
+            f"{exc.strerror or exc}. Name an interface with --network-interface."
+        ) from None
 
 
 def ssh_settings(args: argparse.Namespace) -> SshSettings:

@@ -51,7 +51,19 @@ class RendezvousServer:
         }
 
     def record_exit(self, rank: int, text: str) -> None:
-        """Tell the surviving workers how a rank's process ended."""
+        """Tell the surviving workers how a rank's process ended.
+
+        The first rank recorded is also the job's cause, unless a rank already claimed it (one
+        that exits on an uncaught exception does so itself). Otherwise a rank that ended without
+        a word (killed by a signal, its host or ssh connection lost) would leave the cause to
+        the first survivor that exits on the error its loss raised.
+        """
+        try:
+            self.client.store.compare_set(
+                self.client.key(CAUSE), "", self.client.signed(CAUSE, text.encode())
+            )
+        except RuntimeError:
+            pass
         self.client.set_signed(exit_key(rank), text.encode())
         report_failure(self.client, text)
 

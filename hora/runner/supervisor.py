@@ -3,10 +3,13 @@
 This module owns the worker processes of a job: their ``[rank]<stdout>:`` prefixed output and
 their fate. Every worker runs under a watchdog (:mod:`hora.runner.watchdog`): a local child
 process, or the far end of an ``ssh`` child for another host. Closing the watchdog's standard
-input stops the worker and everything it started; the launcher dying closes it too. When one rank
-fails the supervisor records how in the store (so survivors report the lost rank at once), gives
-the others a grace period to report their own errors, then stops them: TERM, and KILL after a
-second grace period.
+input stops the worker and everything it started; the launcher dying closes it too. A heartbeat
+thread writes to every watchdog once a second, so that a launcher that is stopped or hung (which
+closes nothing) is noticed too: each watchdog stops its worker after
+``HORA_LAUNCHER_TIMEOUT_SECONDS`` of silence. When one rank fails the supervisor records how in
+the store (so survivors report the lost rank at once), gives the others a grace period to report
+their own errors, then stops them: TERM, and KILL after a second grace period. A worker that its
+watchdog found stopped (``SIGSTOP``) at that point is named as the cause.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from typing import IO, Any
 
 import psutil
 
+from hora.common.settings_table import LAUNCHER_TIMEOUT_SECONDS
 from hora.runner.hosts import Slot
+from hora.runner.options import env_seconds
 from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
 from hora.runner.watchdog import CONTROL, die_with_parent, parse_control
 
@@ -42,6 +47,9 @@ WATCHDOG_SLACK_S = 3.0
 REDRAW_INTERVAL_S = 1.0
 # ssh's exit status when the connection failed (or the remote command itself returned 255).
 SSH_FAILED = 255
+# How often the launcher tells every watchdog it is alive (HORA_LAUNCHER_TIMEOUT_SECONDS is the
+# silence after which a watchdog stops its worker).
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -54,6 +62,8 @@ class Worker:
         remote: whether it runs on another host.
         pid: the worker's own process id, once its watchdog reported it.
         status: the worker's exit status as its watchdog saw it (negative: killed by a signal).
+        suspended: its watchdog found it stopped (``SIGSTOP``, Ctrl-Z, a debugger) when asked
+            to stop it.
     """
 
     slot: Slot
@@ -61,10 +71,12 @@ class Worker:
     remote: bool = False
     pid: int | None = None
     status: int | None = None
+    suspended: bool = False
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
     exit_time: float = float("inf")
     done: threading.Event = field(default_factory=threading.Event)
+    stdin_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def rank(self) -> int:
@@ -85,19 +97,53 @@ class Worker:
         return f"rank {self.rank} (host {self.slot.hostname}, {how})"
 
     def describe_exit(self, code: int) -> str:
-        if self.remote and self.status is None and code == SSH_FAILED:
+        if self.suspended:
+            return (
+                "was suspended (stopped by SIGSTOP, Ctrl-Z or a debugger) while the other ranks "
+                f"waited for it, and {describe_exit(code)} when the job was stopped"
+            )
+        if self.remote and self.status is None and code != 0:
+            return self._describe_link(code)
+        return describe_exit(code)
+
+    def _describe_link(self, code: int) -> str:
+        """How a remote worker's ssh ended before the worker's exit status came back."""
+        host = self.slot.hostname
+        if self.pid is None:
+            how = "ssh exit status 255" if code == SSH_FAILED else f"ssh {describe_exit(code)}"
+            return (
+                f"could not be started: ssh to host {host} failed ({how}) before the worker "
+                "started; ssh's own message is in the worker's stderr"
+            )
+        if code == SSH_FAILED:
             return (
                 "lost its ssh connection (ssh exit status 255: the connection failed or broke "
                 "before the worker's exit status came back)"
             )
-        return describe_exit(code)
+        return (
+            f"lost its ssh connection (the ssh process {describe_exit(code)} before the worker's "
+            f"exit status came back; the watchdog on {host} stops the worker when the "
+            "connection closes)"
+        )
 
     def release_stdin(self) -> None:
         """Close the pipe to the worker's watchdog, which then stops the worker."""
-        if self.process.stdin is not None and not self.process.stdin.closed:
+        with self.stdin_lock:
+            if self.process.stdin is not None and not self.process.stdin.closed:
+                try:
+                    self.process.stdin.close()
+                except OSError:
+                    pass
+
+    def heartbeat(self) -> None:
+        """Tell the watchdog the launcher is alive (a newline; never blocks)."""
+        with self.stdin_lock:
+            stdin = self.process.stdin
+            if stdin is None or stdin.closed:
+                return
             try:
-                self.process.stdin.close()
-            except OSError:
+                os.write(stdin.fileno(), b"\n")
+            except OSError:  # full (a slow ssh link: the next one will do) or closed
                 pass
 
 
@@ -232,6 +278,8 @@ def _take_controls(controls: ControlFilter, text: str, worker: Worker, final: bo
             worker.pid = value
         elif word == "exit":
             worker.status = value
+        elif word == "stopped":
+            worker.suspended = bool(value)
     return text
 
 
@@ -320,18 +368,26 @@ class Supervisor:
     Args:
         on_exit: called as ``on_exit(rank, text)`` when a rank fails, before others are stopped.
         forwarder: how output is copied.
+        launcher_timeout_s: how long each watchdog waits for a heartbeat of this launcher before
+            it stops its worker; default ``HORA_LAUNCHER_TIMEOUT_SECONDS``.
     """
 
     def __init__(
         self,
         on_exit: Callable[[int, str], None] | None = None,
         forwarder: OutputForwarder | None = None,
+        launcher_timeout_s: float | None = None,
     ) -> None:
         self.workers: list[Worker] = []
         self.on_exit = on_exit
         self.forwarder = forwarder or OutputForwarder()
         self.first_failure: Worker | None = None
         self._stopping = False
+        if launcher_timeout_s is None:
+            launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
+        self.launcher_timeout_s = launcher_timeout_s
+        self._heart: threading.Thread | None = None
+        self._heart_lock = threading.Lock()
 
     def spawn(
         self,
@@ -363,12 +419,21 @@ class Supervisor:
             start_new_session=True,
             preexec_fn=preexec,
         )
-        payload = stdin_payload(command, env, cwd or os.getcwd(), slot.hostname, TERMINATE_GRACE_S)
+        payload = stdin_payload(
+            command,
+            env,
+            cwd or os.getcwd(),
+            slot.hostname,
+            TERMINATE_GRACE_S,
+            self.launcher_timeout_s,
+        )
         assert process.stdin is not None
         try:
-            # The pipe stays open: closing it is how the worker is asked to stop.
+            # The pipe stays open: closing it is how the worker is asked to stop, and the
+            # heartbeats travel on it.
             process.stdin.write(payload)
             process.stdin.flush()
+            os.set_blocking(process.stdin.fileno(), False)
         except BrokenPipeError:
             pass  # the watchdog (or ssh) already failed; its stderr and exit status say why
         worker = Worker(slot, process, remote=ssh is not None)
@@ -377,8 +442,27 @@ class Supervisor:
         self.forwarder.start(worker, process.stderr, "stderr", sys.stderr)
         waiter = threading.Thread(target=self._note_exit, args=(worker,), daemon=True)
         waiter.start()
-        self.workers.append(worker)
+        with self._heart_lock:
+            self.workers.append(worker)
+            if self._heart is None:
+                self._heart = threading.Thread(
+                    target=self._beat, name="hora-heartbeat", daemon=True
+                )
+                self._heart.start()
         return worker
+
+    def _beat(self) -> None:
+        """Tell every running watchdog, once a second, that this launcher is alive (one that
+        hears nothing for ``launcher_timeout_s`` stops its worker); ends when none runs."""
+        while True:
+            with self._heart_lock:
+                running = [w for w in self.workers if not w.done.is_set()]
+                if not running:
+                    self._heart = None
+                    return
+            for worker in running:
+                worker.heartbeat()
+            time.sleep(HEARTBEAT_INTERVAL_S)
 
     @staticmethod
     def _note_exit(worker: Worker) -> None:
@@ -471,9 +555,10 @@ class Supervisor:
         failed = [w for w in self.workers if codes.get(w.rank, 0) != 0]
         if not failed:
             return ""
-        # A rank that reported ending the job is the cause; otherwise the rank that ended
-        # first is the likeliest one, and the others followed it.
-        named = [w for w in failed if w.rank == cause_rank]
+        # A rank found suspended held the others up, whatever they then reported; else a rank
+        # that reported ending the job (or was recorded first) is the cause; otherwise the rank
+        # that ended first is the likeliest one, and the others followed it.
+        named = [w for w in failed if w.suspended] or [w for w in failed if w.rank == cause_rank]
         worker = named[0] if named else min(failed, key=lambda w: (w.exit_time, w.rank))
         code = codes[worker.rank]
         lines = [f"{worker.where()} {worker.describe_exit(code)}."]

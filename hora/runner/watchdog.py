@@ -12,18 +12,23 @@ Then it starts the worker and watches it:
   straight to the launcher (through SSH for a remote host);
 * when standard input reaches end-of-file (the launcher closed it to stop the worker, or the
   launcher or its SSH connection died, even by ``SIGKILL``), or this process gets ``SIGTERM``,
-  ``SIGHUP`` or ``SIGINT``, it stops the worker and everything the worker started: ``SIGTERM``,
-  then ``SIGKILL`` after a grace period;
+  ``SIGHUP`` or ``SIGINT``, it stops the worker and everything the worker started: ``SIGTERM``
+  (with ``SIGCONT``, so that a stopped worker acts on it), then ``SIGKILL`` after a grace period;
+* the launcher writes a newline to standard input every second (:class:`LauncherLink`); when
+  nothing comes for the job's ``launcher_timeout_s`` (the launcher is stopped, hung, or cut off
+  without the connection closing), it stops the worker the same way and says why on standard
+  error;
 * it is a child subreaper, so processes the worker started stay its descendants even when their
   parent exits (a shell wrapper, a daemonised helper) and none of them outlive the job; when the
   worker exits, what it left behind is stopped too;
 * if this process itself is killed, the kernel kills the worker (``PR_SET_PDEATHSIG``).
 
-It reports on the worker's standard output with two control lines the launcher removes from the
+It reports on the worker's standard output with control lines the launcher removes from the
 output: :data:`CONTROL` + ``pid N`` (written by the worker process itself before it runs the
-command, so it comes before any output) and :data:`CONTROL` + ``exit N`` (``subprocess``'s
-status: negative for a signal). Its own exit status is the worker's, or 128 + N when the worker
-was killed by signal N.
+command, so it comes before any output), :data:`CONTROL` + ``stopped 1`` (the worker was found
+stopped, by ``SIGSTOP``, Ctrl-Z or a debugger, when it was to be stopped) and :data:`CONTROL` +
+``exit N`` (``subprocess``'s status: negative for a signal). Its own exit status is the
+worker's, or 128 + N when the worker was killed by signal N.
 
 This module uses the standard library only (psutil when it is there), because on a remote host it
 may run under an interpreter that does not have hora installed. It knows nothing of hora's engine
@@ -184,15 +189,28 @@ def _reap_orphans() -> None:
             return
 
 
+def suspended(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``SIGSTOP``, Ctrl-Z, or a debugger), from ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return bool(fields) and fields[0] in (b"T", b"t")
+
+
 def stop_tree(worker: subprocess.Popen[bytes], grace_s: float) -> None:
     """``SIGTERM`` the worker and every descendant, then ``SIGKILL`` what is left after
     ``grace_s`` seconds."""
     me = os.getpid()
-    try:
-        os.killpg(worker.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    _signal_all(_descendants(me), signal.SIGTERM)
+    # SIGCONT after SIGTERM: a stopped process acts on its TERM only once it runs again.
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        try:
+            os.killpg(worker.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _signal_all(_descendants(me), sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if worker.poll() is not None and not [p for p in _descendants(me) if p != worker.pid]:
@@ -202,15 +220,93 @@ def stop_tree(worker: subprocess.Popen[bytes], grace_s: float) -> None:
     worker.wait()
 
 
-def _watch_stdin(fd: int, stop: threading.Event) -> None:
-    # Reads the descriptor itself: a thread blocked inside sys.stdin's buffered reader would
-    # hold its lock when the interpreter exits, which Python treats as a fatal error.
-    try:
-        while os.read(fd, 65536):
+class LauncherLink:
+    """What the watchdog hears from the launcher on standard input after the job: a heartbeat
+    (a newline) every second, and end-of-file when it wants the worker stopped or it died.
+
+    Args:
+        fd: standard input.
+        timeout_s: silence that counts as a lost launcher (stopped, hung, or unreachable);
+            ``None`` or ``0``: none does.
+    """
+
+    def __init__(self, fd: int, timeout_s: float | None) -> None:
+        self.fd = fd
+        self.timeout_s = timeout_s or None
+        self.closed = threading.Event()
+        self.heard = time.monotonic()
+
+    def watch(self) -> None:
+        """Read until end-of-file (in a thread of its own)."""
+        # Reads the descriptor itself: a thread blocked inside sys.stdin's buffered reader would
+        # hold its lock when the interpreter exits, which Python treats as a fatal error.
+        try:
+            while os.read(self.fd, 65536):
+                self.heard = time.monotonic()
+        except OSError:
             pass
+        self.closed.set()
+
+    def silent_s(self) -> float | None:
+        """How long the launcher has been silent, once that is longer than the timeout."""
+        silent = time.monotonic() - self.heard
+        if self.timeout_s is None or silent <= self.timeout_s:
+            return None
+        return silent
+
+
+def _control(word: str, value: int) -> None:
+    """Write a control line for the launcher; a launcher (or ssh link) already gone is no
+    reason to stop watching."""
+    try:
+        os.write(1, f"{CONTROL}{word} {value}\n".encode())
     except OSError:
         pass
-    stop.set()
+
+
+def _say(text: str) -> None:
+    """Tell the launcher (through our standard error) without ever blocking on it."""
+    _send(2, f"hora: {text}\n".encode())
+
+
+def _send(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd`` without blocking: the launcher that reads it may be stopped.
+
+    Only once the worker is gone, since it shares these descriptors.
+    """
+    try:
+        os.set_blocking(fd, False)
+        os.write(fd, data)
+    except OSError:
+        pass
+
+
+def _who(env: dict[str, str]) -> str:
+    """``rank 2``, ``worker node1:0`` (an elastic one), or ``the worker``."""
+    if env.get("HORA_RANK"):
+        return f"rank {env['HORA_RANK']}"
+    if env.get("HORA_ELASTIC_ID"):
+        return f"worker {env['HORA_ELASTIC_ID']}"
+    return "the worker"
+
+
+def _supervise(
+    worker: subprocess.Popen[bytes], link: LauncherLink, stop: threading.Event, grace_s: float
+) -> float | None:
+    """Wait for the worker to end; stop it when the launcher asks (or a signal does), or when
+    the launcher has gone silent. Returns how long it was silent in that last case."""
+    while worker.poll() is None:
+        if stop.wait(0.1) or link.closed.is_set():
+            if suspended(worker.pid):
+                # The launcher names a stopped rank as the one that held the others up.
+                _control("stopped", 1)
+            stop_tree(worker, grace_s)
+            return None
+        silent = link.silent_s()
+        if silent is not None:
+            stop_tree(worker, grace_s)
+            return silent
+    return None
 
 
 def run(job: dict[str, Any], stdin_fd: int) -> int:
@@ -256,24 +352,31 @@ def run(job: dict[str, Any], stdin_fd: int) -> int:
             flush=True,
         )
         return 127
-    threading.Thread(target=_watch_stdin, args=(stdin_fd, stop), daemon=True).start()
-    while worker.poll() is None:
-        if stop.wait(0.1):
-            stop_tree(worker, grace_s)
-            break
+    link = LauncherLink(stdin_fd, job.get("launcher_timeout_s"))
+    threading.Thread(target=link.watch, daemon=True).start()
+    silent = _supervise(worker, link, stop, grace_s)
     # Whatever the worker left behind would hold the SSH session open: stop it too.
     if _descendants(os.getpid()):
         stop_tree(worker, min(grace_s, 1.0))
     _reap_orphans()
     code = worker.returncode
     sys.stdout.flush()
-    os.write(1, f"{CONTROL}exit {code}\n".encode())
+    if silent is None:
+        _control("exit", code)
+    else:
+        _say(
+            f"the launcher (horarun) sent nothing for {silent:.0f} s: it is stopped, hung, or "
+            f"unreachable from host {host}. Stopped {_who(env)} (pid {worker.pid}) there, as "
+            f"HORA_LAUNCHER_TIMEOUT_SECONDS ({link.timeout_s:g}) asks."
+        )
+        _send(1, f"{CONTROL}exit {code}\n".encode())
     return 128 - code if code < 0 else code
 
 
 def main() -> int:
-    # The launcher sends nothing after the job, so the buffered reader holds no more input and
-    # the stdin watch can read the descriptor directly.
+    # The launcher sends only heartbeats after the job, so the stdin watch can read the
+    # descriptor directly: a heartbeat the buffered reader took along is not missed (the next
+    # one comes a second later).
     return run(read_job(sys.stdin.buffer), sys.stdin.fileno())
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import stat
 import subprocess
+import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -68,9 +70,12 @@ def test_discovery_output_lines_are_hosts_with_slots() -> None:
         ("a:x\n", r"line 1: 'a:x': slots must be an integer"),
         ("a\nb:0\n", r"line 2: 'b:0': slots must be >= 1"),
         ("a\na:2\n", r"line 2: host 'a' is listed twice"),
-        ("a slots=2\n", r"line 1: 'a slots=2' is not `host` or `host:slots`"),
-        (":3\n", r"is not `host` or `host:slots`"),
-        ("-oProxy:1\n", r"is not `host` or `host:slots`"),
+        ("a slots=2\n", r"line 1: 'a slots=2' is not a host name .*must be `host` or `host:s"),
+        (":3\n", r"line 1: ':3' has no host name; each line must be `host` or `host:slots`"),
+        ("-oProxy:1\n", r"'-oProxy' is not a host name"),
+        ("a\nA:2\n", r"line 2: host 'A' is listed twice"),
+        ("::1:2\n", r"line 1: '::1:2': an IPv6 address goes in brackets, as in \[::1\]:2"),
+        ("[::1]:0\n", r"line 1: '\[::1\]:0': slots must be >= 1"),
     ],
 )
 def test_bad_discovery_lines_are_named(text: str, match: str) -> None:
@@ -100,6 +105,67 @@ def test_discovery_script_failures_carry_its_stderr(tmp_path: Path) -> None:
     slow = _script(tmp_path, "sleep 5\n", "slow.sh")
     with pytest.raises(DiscoveryError, match=r"did not finish within 0.2 s"):
         ScriptDiscovery(slow, timeout_s=0.2).find()
+    binary = _script(tmp_path, "printf 'node1:2\\nn\\377de2\\n'\n", "binary.sh")
+    with pytest.raises(DiscoveryError, match=r"line 2: byte 0xff is not UTF-8 text"):
+        ScriptDiscovery(binary).find()
+
+
+def test_discovery_output_may_name_ipv6_hosts_in_brackets() -> None:
+    assert parse_discovery_output("[::1]:2\n[fe80::1]\n", default_slots=3) == [
+        Host("::1", 2),
+        Host("fe80::1", 3),
+    ]
+
+
+def _alive(token: str) -> list[int]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if token in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.timeout(20)
+def test_a_discovery_run_that_times_out_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    token = str(tmp_path / "helper")
+    slow = _script(
+        tmp_path,
+        f"""
+        echo "asking the scheduler" >&2
+        {sys.executable} -c "import time; time.sleep(60)" {token} &
+        {sys.executable} -c "import time; time.sleep(60)" {token}
+        """,
+        "slow.sh",
+    )
+    with pytest.raises(DiscoveryError, match=r"within 0.5 s .* was stopped; its stderr: asking"):
+        ScriptDiscovery(slow, timeout_s=0.5).find()
+    assert _alive(token) == []
+
+
+@pytest.mark.timeout(20)
+def test_stopping_the_watcher_kills_a_discovery_run_in_progress(tmp_path: Path) -> None:
+    token = str(tmp_path / "helper")
+    hang = _script(
+        tmp_path, f'{sys.executable} -c "import time; time.sleep(60)" {token}\n', "hang.sh"
+    )
+    said: list[str] = []
+    watcher = HostWatcher(ScriptDiscovery(hang), interval_s=0.01, report=said.append)
+    watcher.start()
+    deadline = time.monotonic() + 10
+    while not _alive(token):
+        assert time.monotonic() < deadline, "the discovery script did not start"
+        time.sleep(0.05)
+    watcher.stop()
+    deadline = time.monotonic() + 5
+    while _alive(token):
+        assert time.monotonic() < deadline, "the discovery run outlived the watcher"
+        time.sleep(0.05)
+    assert said == []  # a run cancelled at the end is no failure to report
 
 
 class _Answers:

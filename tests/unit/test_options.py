@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hora.common.settings_table import BY_NAME
 from hora.runner import options
 from hora.runner.options import OptionError, engine_env, notes, parse, refusals
 
@@ -120,6 +121,51 @@ def test_negative_numbers_on_the_command_line_are_refused() -> None:
         parse(["-np", "1", "--cycle-time-ms", "-1", *COMMAND])
     with pytest.raises(OptionError, match="must look like Key=Value"):
         parse(["-np", "1", "--ssh-option=-F/tmp/x", *COMMAND])
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["-np", "0"], r"-np must be >= 1, got 0\."),
+        (["-np", "-1"], r"-np must be >= 1, got -1\."),
+        (["--min-np", "0"], r"--min-np must be >= 1, got 0\."),
+        (["-np", "2", "--max-np", "-2"], r"--max-np must be >= 1, got -2\."),
+        (["-np", "3", "--max-np", "2"], r"-np 3 is more than --max-np 2\."),
+        (["-np", "2", "--min-np", "3"], r"-np 2 is less than --min-np 3"),
+    ],
+)
+def test_process_counts_are_checked_before_anything_starts(argv: list[str], match: str) -> None:
+    with pytest.raises(OptionError, match=match):
+        parse([*argv, *COMMAND])
+
+
+def test_launcher_timeouts_come_from_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HORA_LAUNCHER_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.delenv("HORA_HOST_DISCOVERY_TIMEOUT", raising=False)
+    args = parse(["-np", "1", *COMMAND])
+    assert (args.launcher_timeout_s, args.host_discovery_timeout_s) == (60.0, 60.0)
+    monkeypatch.setenv("HORA_LAUNCHER_TIMEOUT_SECONDS", "2.5")
+    monkeypatch.setenv("HORA_HOST_DISCOVERY_TIMEOUT", "7")
+    args = parse(["-np", "1", *COMMAND])
+    assert (args.launcher_timeout_s, args.host_discovery_timeout_s) == (2.5, 7.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("HORA_LAUNCHER_TIMEOUT_SECONDS", "0", r"must be > 0 seconds, got 0\.0\."),
+        ("HORA_LAUNCHER_TIMEOUT_SECONDS", "-5", r"must be > 0 seconds, got -5\.0\."),
+        ("HORA_HOST_DISCOVERY_TIMEOUT", "soon", r"must be a number, got 'soon'\."),
+    ],
+)
+def test_bad_launcher_timeouts_are_refused_by_name(
+    name: str, value: str, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(OptionError, match=f"^{name} {match}"):
+        options.env_seconds(BY_NAME[name.removeprefix("HORA_")], {name: value})
+    monkeypatch.setenv(name, value)
+    with pytest.raises(OptionError, match=f"^{name} {match}"):
+        parse(["-np", "1", *COMMAND])
 
 
 def test_flags_hora_cannot_honour_are_refused() -> None:

@@ -9,19 +9,18 @@ keeps the last good answer: a failed run after the first is reported and otherwi
 from __future__ import annotations
 
 import os
-import re
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from hora.common.settings_table import HOST_DISCOVERY_TIMEOUT
 from hora.runner.hosts import Host, slot_count, split_entry
 
-# How often the discovery script runs, and how long one run may take.
+# How often the discovery script runs, and how long one run may take by default.
 DISCOVERY_INTERVAL_S = 1.0
-DISCOVERY_TIMEOUT_S = 60.0
-
-_HOST_NAME = re.compile(r"^[\w.@-]+$")
+DISCOVERY_TIMEOUT_S = HOST_DISCOVERY_TIMEOUT.default
 
 
 class DiscoveryError(RuntimeError):
@@ -29,7 +28,8 @@ class DiscoveryError(RuntimeError):
 
 
 def parse_discovery_output(text: str, default_slots: int = 1) -> list[Host]:
-    """The hosts a discovery script printed: one ``host`` or ``host:slots`` per line.
+    """The hosts a discovery script printed: one ``host`` or ``host:slots`` per line (an IPv6
+    address in brackets: ``[::1]:2``).
 
     Blank lines and ``#`` comments are skipped; no line at all means no host is available.
 
@@ -42,19 +42,19 @@ def parse_discovery_output(text: str, default_slots: int = 1) -> list[Host]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        name, count = split_entry(line)
-        if not name or name.startswith("-") or not _HOST_NAME.match(name):
+        try:
+            name, count = split_entry(line)
+        except ValueError as exc:
             raise DiscoveryError(
-                f"line {number}: {raw.strip()!r} is not `host` or `host:slots` (host names hold "
-                "letters, digits, '.', '-', '_' and '@')."
-            )
+                f"line {number}: {exc}; each line must be `host` or `host:slots`."
+            ) from None
         slots = default_slots
-        if count:
+        if count is not None:
             try:
                 slots = slot_count(count)
             except ValueError as exc:
                 raise DiscoveryError(f"line {number}: {raw.strip()!r}: {exc}.") from None
-        if name in hosts:
+        if name.lower() in (known.lower() for known in hosts):
             raise DiscoveryError(f"line {number}: host {name!r} is listed twice.")
         hosts[name] = slots
     return [Host(name, slots) for name, slots in hosts.items()]
@@ -83,10 +83,13 @@ class StaticDiscovery:
 class ScriptDiscovery:
     """Runs ``--host-discovery-script`` and reads its standard output.
 
+    Each run is its own session: a run that takes longer than ``timeout_s``, or is still going
+    when the job ends (:meth:`cancel`), is killed with everything it started.
+
     Args:
         path: the executable.
         default_slots: slots of a host printed without ``:slots`` (``--slots-per-host``).
-        timeout_s: how long one run may take.
+        timeout_s: how long one run may take (``HORA_HOST_DISCOVERY_TIMEOUT``).
     """
 
     def __init__(
@@ -96,39 +99,106 @@ class ScriptDiscovery:
         self.shown = path
         self.default_slots = default_slots
         self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._running: subprocess.Popen[bytes] | None = None
+        self._cancelled = False
 
     def find(self) -> list[Host]:
-        try:
-            result = subprocess.run(
-                [self.path],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=self.timeout_s,
-            )
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(
-                f"the host discovery script {self.shown} did not finish within {self.timeout_s:g} s"
-            ) from None
-        except OSError as exc:
-            raise DiscoveryError(
-                f"cannot run the host discovery script {self.shown}: {exc.strerror}"
-            ) from None
-        stdout = result.stdout.decode(errors="replace")
-        stderr = result.stderr.decode(errors="replace").strip()
-        if result.returncode != 0:
+        stdout, stderr, status = self._run()
+        if status != 0:
             how = (
-                f"was killed by signal {-result.returncode}"
-                if result.returncode < 0
-                else f"failed with exit status {result.returncode}"
+                f"was killed by signal {-status}"
+                if status < 0
+                else f"failed with exit status {status}"
             )
             detail = f": {stderr}" if stderr else " (it wrote nothing to stderr)"
             raise DiscoveryError(f"the host discovery script {self.shown} {how}{detail}")
         try:
-            return parse_discovery_output(stdout, self.default_slots)
+            return parse_discovery_output(_text(stdout), self.default_slots)
         except DiscoveryError as exc:
             raise DiscoveryError(
                 f"the host discovery script {self.shown} printed something unreadable, {exc}"
             ) from None
+
+    def _run(self) -> tuple[bytes, str, int]:
+        """One run: its standard output, the end of its standard error, and its exit status.
+
+        Raises:
+            DiscoveryError: it cannot be started, or it did not finish in time.
+        """
+        try:
+            process = subprocess.Popen(
+                [self.path],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise DiscoveryError(
+                f"cannot run the host discovery script {self.shown}: {exc.strerror}"
+            ) from None
+        with self._lock:
+            self._running = process
+            if self._cancelled:
+                _kill_session(process)
+        try:
+            stdout, stderr = process.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_session(process)
+            _, stderr = process.communicate()
+            said = _tail(stderr)
+            raise DiscoveryError(
+                f"the host discovery script {self.shown} did not finish within "
+                f"{self.timeout_s:g} s (HORA_HOST_DISCOVERY_TIMEOUT) and was stopped"
+                + (f"; its stderr: {said}" if said else "")
+            ) from None
+        finally:
+            with self._lock:
+                self._running = None
+        _kill_session(process)  # helpers it left running in the background
+        return stdout, _tail(stderr), process.returncode
+
+    def cancel(self) -> None:
+        """Kill the run in progress, if any, and any later one (the job is ending)."""
+        with self._lock:
+            self._cancelled = True
+            if self._running is not None:
+                _kill_session(self._running)
+
+
+def _kill_session(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL every process of ``process``'s session (it leads its own process group)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# How much of a failed run's standard error is shown.
+STDERR_TAIL_LINES = 10
+
+
+def _tail(stderr: bytes) -> str:
+    lines = stderr.decode(errors="replace").strip().splitlines()
+    return "\n".join(lines[-STDERR_TAIL_LINES:])
+
+
+def _text(stdout: bytes) -> str:
+    """A run's standard output as text.
+
+    Raises:
+        DiscoveryError: it is not UTF-8 (the message names the line and the byte).
+    """
+    try:
+        return stdout.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = stdout.count(b"\n", 0, exc.start) + 1
+        raise DiscoveryError(
+            f"line {line}: byte 0x{stdout[exc.start]:02x} is not UTF-8 text. A host discovery "
+            "script prints host names, one `host` or `host:slots` a line: check that it prints "
+            "nothing else (a banner, a progress bar, binary data)."
+        ) from None
 
 
 class HostWatcher:
@@ -175,6 +245,8 @@ class HostWatcher:
         try:
             hosts = self.discovery.find()
         except DiscoveryError as exc:
+            if self._stop.is_set():
+                return  # the job is ending; the run was cancelled
             self.failures += 1
             if self.verbose:
                 self.report(f"{exc}; keeping the hosts it found last.")
@@ -202,6 +274,10 @@ class HostWatcher:
             self.poll()
 
     def stop(self) -> None:
+        """Stop asking, and kill a discovery run still in progress (nothing outlives the job)."""
         self._stop.set()
+        cancel = getattr(self.discovery, "cancel", None)
+        if cancel is not None:
+            cancel()
         if self._thread is not None:
             self._thread.join(timeout=1.0)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from hora.runner.elastic.blacklist import Blacklist, HostManager, describe_hosts
 from hora.runner.elastic.discovery import (
+    DISCOVERY_TIMEOUT_S,
     Discovery,
     HostWatcher,
     ScriptDiscovery,
@@ -139,7 +140,8 @@ class ElasticPlan:
 
 def _discovery_from_flags(args: argparse.Namespace, limits: Limits) -> Discovery:
     if args.host_discovery_script:
-        return ScriptDiscovery(args.host_discovery_script, args.slots or 1)
+        timeout_s = getattr(args, "host_discovery_timeout_s", DISCOVERY_TIMEOUT_S)
+        return ScriptDiscovery(args.host_discovery_script, args.slots or 1, timeout_s)
     if args.hostfile:
         return StaticDiscovery(parse_hostfile(args.hostfile))
     return StaticDiscovery(parse_hosts(args.hosts or f"localhost:{limits.max_np or limits.np}"))
