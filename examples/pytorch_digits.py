@@ -145,11 +145,20 @@ def load_checkpoint(args: argparse.Namespace, model: nn.Module, optimizer: Any) 
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer: Any, epoch: int) -> None:
-    """Rank 0 writes to a temporary file and renames it, so a crash never leaves half a file."""
+    """Rank 0 writes to a temporary file, flushes it to disk and renames it, so a crash (or a
+    power loss) leaves either the previous checkpoint or the new one, never half a file."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
     tmp = f"{path}.tmp"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself reaches the disk
+    finally:
+        os.close(folder)
 
 
 def pick_device(args: argparse.Namespace) -> torch.device:

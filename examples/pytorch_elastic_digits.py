@@ -11,6 +11,10 @@ two others roll back to the last commit, go on as a job of two, and finish; ``ho
 lost worker and blacklists its host. Without it, edit the hosts the discovery script prints
 (``HORA_EXAMPLE_HOSTS``, see examples/elastic_hosts.sh) while the job runs to remove or add hosts.
 
+``--commit-dir DIR`` also writes every commit to ``DIR/commit.pt`` (atomically, fsynced). Stop the
+whole job (Ctrl-C, or kill every worker) and run the same command again: it resumes from the last
+commit instead of starting over.
+
 What makes it elastic, compared with examples/pytorch_digits.py:
 
 * the training loop is a function decorated with ``hvd.elastic.run``, taking a ``state``;
@@ -18,7 +22,9 @@ What makes it elastic, compared with examples/pytorch_digits.py:
   ``state.commit()`` (every ``--commit-every`` batches) is the point a failure rolls back to;
 * ``hvd.elastic.ElasticSampler`` shards the training set and, when the world changes, shards
   only what this epoch has not yet processed, so no sample is skipped or repeated;
-* a reset callback scales the learning rate to the new number of workers.
+* a reset callback scales the learning rate to the new number of workers;
+* optionally, ``commit_dir`` makes the commits durable, so even losing every worker loses only the
+  steps since the last commit.
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ from pytorch_digits import DigitsNet, evaluate, load_data
 from torch.utils.data import DataLoader
 
 import hora.torch as hvd
-from hora.common.job import rounds as protocol
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,12 +57,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="rank 2 of the first round kills itself (SIGKILL) in the middle of epoch 2",
     )
+    parser.add_argument(
+        "--commit-dir",
+        default=None,
+        help="write every commit to this directory too, and resume from it when it holds one "
+        "(default: $HORA_ELASTIC_COMMIT_DIR, or no durable commits)",
+    )
     return parser.parse_args()
-
-
-def first_round() -> bool:
-    """Whether this is the job's first round (before any worker was lost or added)."""
-    return protocol.progress.plan is None or protocol.progress.plan.number == 0
 
 
 def train_epoch(
@@ -76,7 +82,7 @@ def train_epoch(
     batches = iter(loader)
     for step in range(int(longest.item())):
         where = (hvd.rank(), state.epoch, state.batch)
-        if args.demo_failure and first_round() and where == (2, 1, 12):
+        if args.demo_failure and hvd.elastic.round_number() == 0 and where == (2, 1, 12):
             print("rank 2: killing myself (--demo-failure)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.zero_grad()
@@ -104,7 +110,12 @@ def main() -> None:
     )
     sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
     state = hvd.elastic.TorchState(
-        model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0
+        model=model,
+        optimizer=optimizer,
+        sampler=sampler,
+        commit_dir=args.commit_dir,
+        epoch=0,
+        batch=0,
     )
 
     def rescale_learning_rate() -> None:
@@ -117,6 +128,8 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
+        if hvd.rank() == 0 and (state.epoch, state.batch) != (0, 0):
+            print(f"resuming at epoch {state.epoch + 1}, batch {state.batch}", flush=True)
         while state.epoch < args.epochs:
             train_epoch(state, model, optimizer, train_set, args)
             accuracy = evaluate(model, test_set)

@@ -14,6 +14,11 @@ Events, driven by variables:
         before changing the hosts).
     ELASTIC_STEP_DELAY: seconds to sleep per step (so that a host change lands mid-run).
     ELASTIC_EVENTS: a file every worker appends ``time event`` lines to (for benchmarks).
+    ELASTIC_STEP_LOG: a file rank 0 appends ``epoch batch`` to after every step.
+    ELASTIC_HOLD_AFTER_COMMIT: ``n``: after this run's n-th commit every rank stops and waits
+        (rank 0 first creates ``$ELASTIC_HOLD_MARK``), for a test to kill the whole job there.
+    ELASTIC_HOLD_IN_COMMIT: ``n``: the same, but inside rank 0's n-th durable commit, between
+        the fsynced temporary file and its rename (``HORA_ELASTIC_COMMIT_DIR`` must be set).
 """
 
 from __future__ import annotations
@@ -55,8 +60,43 @@ def _event(text: str) -> None:
             f.write(f"{time.time():.6f} {os.environ.get(protocol.WORKER_ID_VAR)} {text}\n")
 
 
+def _hold(why: str) -> None:
+    """Stop here until killed; rank 0 first tells the test, through ``$ELASTIC_HOLD_MARK``."""
+    if hvd.rank() == 0:
+        with open(os.environ["ELASTIC_HOLD_MARK"], "w") as f:
+            f.write(why)
+    time.sleep(600)
+
+
+def _hold_in_commit(number: int) -> None:
+    """Make rank 0's ``number``-th durable write hold before its rename."""
+    from hora.torch.elastic import durable
+
+    publish = durable.CommitDirectory._publish
+    writes = [0]
+
+    def held(self: durable.CommitDirectory, temp: str) -> None:
+        writes[0] += 1
+        if writes[0] == number:
+            _hold(f"inside commit {number}")
+        publish(self, temp)
+
+    durable.CommitDirectory._publish = held  # type: ignore[method-assign]
+
+
+def _log_step(epoch: int, batch: int) -> None:
+    path = os.environ.get("ELASTIC_STEP_LOG")
+    if path and hvd.rank() == 0:
+        with open(path, "a") as f:
+            f.write(f"{epoch} {batch}\n")
+
+
 def main() -> None:
     hvd.init()
+    if os.environ.get("ELASTIC_HOLD_IN_COMMIT"):
+        _hold_in_commit(int(os.environ["ELASTIC_HOLD_IN_COMMIT"]))
+    hold_after = int(os.environ.get("ELASTIC_HOLD_AFTER_COMMIT", "0"))
+    commits = [0]
     x, y = data()
     net = model()
     optimizer = hvd.DistributedOptimizer(
@@ -70,6 +110,12 @@ def main() -> None:
     delay = float(os.environ.get("ELASTIC_STEP_DELAY", "0"))
     me = os.environ.get(protocol.WORKER_ID_VAR, "")
     first_round = protocol.progress.plan.number if protocol.progress.plan else 0
+
+    def commit() -> None:
+        state.commit()
+        commits[0] += 1
+        if commits[0] == hold_after:
+            _hold(f"after commit {hold_after}")
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
@@ -100,14 +146,15 @@ def main() -> None:
                 state.sampler.record_batch(step, BATCH)
                 state.batch += 1
                 _event(f"step epoch={state.epoch} batch={state.batch} size={hvd.size()}")
+                _log_step(state.epoch, state.batch)
                 if delay:
                     time.sleep(delay)
                 if state.batch % COMMIT_EVERY == 0:
-                    state.commit()
+                    commit()
             state.epoch += 1
             state.batch = 0
             state.sampler.set_epoch(state.epoch)
-            state.commit()
+            commit()
             mark = os.environ.get("ELASTIC_MARK")
             if mark and hvd.rank() == 0 and not os.path.exists(mark):
                 open(mark, "w").close()

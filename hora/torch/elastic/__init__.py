@@ -57,11 +57,15 @@ once and calls the function; ``commit()`` only saves and ``check_host_updates()`
 
 Public API:
 
-* :func:`run` - the decorator; :func:`reset_count` - resets so far in this process.
+* :func:`run` - the decorator; :func:`reset_count` - resets so far in this process;
+  :func:`round_number` - the job's current round (0 for the first).
 * :class:`State`, :class:`ObjectState`, :class:`TorchState` - the state protocol and its
   implementations; :class:`StateHandler` and :func:`get_handler_registry` /
   :func:`set_handler_registry` - how ``TorchState`` keeps models, optimizers, samplers.
 * :class:`ElasticSampler` - sharding that resumes mid-epoch with any number of ranks.
+* Durable commits: ``TorchState(..., commit_dir=...)`` (or ``HORA_ELASTIC_COMMIT_DIR``) also
+  writes every commit to disk, atomically, and a restarted job resumes from it;
+  :func:`read_commit` reads one; :class:`DurableCommitError` - it could not be written or read.
 * ``HoraInternalError`` (alias ``HorovodInternalError``), ``HostsUpdatedInterrupt`` - the
   exceptions ``run`` handles (the same classes as ``hvd.HoraInternalError`` etc.).
 
@@ -74,12 +78,14 @@ Semantics worth knowing (see each object's documentation):
   is why the loop above runs ``num_batches`` steps on every rank. (The alternative, a plain
   ``for batch in loader`` followed by ``hvd.join(); state.commit(); state.sync()``, is
   described in :mod:`hora.torch.elastic.sampler`.)
+* A commit is all-or-nothing: when ``commit()`` raises, the previous commit is kept whole.
 * Everything ``run`` does is collective and named identically on every worker; a worker that
   joins a running job must reach the decorated function without other collectives first.
 """
 
 from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
-from hora.torch.elastic.loop import reset_count, run
+from hora.torch.elastic.durable import DurableCommitError, read_commit
+from hora.torch.elastic.loop import reset_count, round_number, run
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.elastic.state import (
     ModelStateHandler,
@@ -94,6 +100,7 @@ from hora.torch.elastic.state import (
 )
 
 __all__ = [
+    "DurableCommitError",
     "ElasticSampler",
     "HoraInternalError",
     "HorovodInternalError",
@@ -106,7 +113,9 @@ __all__ = [
     "StateHandler",
     "TorchState",
     "get_handler_registry",
+    "read_commit",
     "reset_count",
+    "round_number",
     "run",
     "set_handler_registry",
 ]

@@ -39,6 +39,21 @@ def reset_count() -> int:
     return _resets
 
 
+def round_number() -> int:
+    """The number of the elastic job's current round: 0 for the first, one more at every change.
+
+    The driver numbers rounds for the whole job, so every worker of a round sees the same
+    number, a worker that joins later included. Outside an elastic job, and in a job that was
+    started again (after every worker was lost), it starts from 0.
+
+    Example:
+        >>> if hvd.elastic.round_number() == 0:
+        ...     print("the job as it was launched")
+    """
+    plan = _elastic.progress.plan
+    return plan.number if plan is not None else 0
+
+
 def _reset() -> None:
     """Leave the current round and join the next one (``hvd.shutdown(); hvd.init()``)."""
     import hora.torch as hvd
