@@ -36,8 +36,9 @@ def test_a_copy_for_another_worker_or_a_changed_copy_is_refused() -> None:
 
 
 def test_set_env_unseals_into_the_secret_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HORA_SECRET_KEY", raising=False)
+    # Set through monkeypatch first, so that both are put back as they were when the test ends.
+    monkeypatch.setenv("HORA_SECRET_KEY", "")
+    monkeypatch.setenv("HORA_RANK", "")
     secret = new_secret()
     _worker.set_env({"HORA_RANK": "0"}, (), _worker.seal(secret, _public_key()))
     assert os.environ["HORA_SECRET_KEY"] == secret
-    monkeypatch.delenv("HORA_RANK")
