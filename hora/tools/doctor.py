@@ -42,10 +42,29 @@ def _torch_version() -> str | None:
     return str(torch.__version__)
 
 
+def _tensorflow_version() -> str | None:
+    """TensorFlow's version, found without importing it (importing takes seconds)."""
+    from importlib import metadata
+
+    for distribution in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def frameworks() -> list[Capability]:
     version = _torch_version()
+    tensorflow = _tensorflow_version()
     return [
-        Capability("TensorFlow", False, "hora has no TensorFlow API"),
+        Capability(
+            "TensorFlow",
+            tensorflow is not None,
+            f"tensorflow {tensorflow} (hora.tensorflow, hora.keras)"
+            if tensorflow
+            else 'not installed: pip install "hora[tensorflow]"',
+        ),
         Capability(
             "PyTorch",
             version is not None,

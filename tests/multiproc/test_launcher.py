@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -361,10 +362,11 @@ def test_check_build_prints_horovods_table() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert re.fullmatch(r"hora v\d+\.\d+\.\d+:", lines[0])
+    tensorflow = "[X]" if importlib.util.find_spec("tensorflow") else "[ ]"
     assert lines[1:6] == [
         "",
         "Available Frameworks:",
-        "    [ ] TensorFlow",
+        f"    {tensorflow} TensorFlow",
         "    [X] PyTorch",
         "    [ ] MXNet",
     ]

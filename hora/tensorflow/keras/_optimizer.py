@@ -1,0 +1,274 @@
+"""How ``DistributedOptimizer`` hooks into Keras optimizers.
+
+A wrapped optimizer is an instance of a subclass made on the fly from the optimizer's own class,
+with the base class's ``__name__``, ``__qualname__`` and ``__module__``: Keras serializes it as the
+base class, so a saved model loads without hora. The subclass overrides the one method through
+which every update passes:
+
+- Keras 3 (``keras.optimizers.*``): ``apply(grads, trainable_variables)``; ``apply_gradients``
+  and ``model.fit`` both call it.
+- tf_keras / Keras 2 (``tf_keras.optimizers.*`` and ``tf_keras.optimizers.legacy.*``):
+  ``apply_gradients(grads_and_vars, ...)``; ``minimize`` and ``model.fit`` call it.
+
+With ``backward_passes_per_step=N`` the gradients are summed locally, in variables that live
+outside the optimizer's state (a saved model carries none of them), and only every Nth call
+averages and applies them. The choice is a ``tf.cond``, so it works eagerly and in ``tf.function``;
+the optimizer is built and the accumulators exist before the ``tf.cond``, never inside a branch.
+``optimizer.iterations`` counts the updates applied, not the calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from hora.common.errors import HoraValueError
+from hora.tensorflow._bridge import in_xla_context
+from hora.tensorflow.gradients import GradientReducer
+
+KERAS3 = "Keras 3"
+TF_KERAS = "tf_keras"
+
+_XLA = (
+    "hora's DistributedOptimizer cannot average gradients inside XLA-compiled code "
+    "(jit_compile=True): XLA cannot call out to hora's engine. Compile the model with "
+    "model.compile(..., jit_compile=False) (Keras 3 turns XLA on by default when a GPU is "
+    "present), or decorate a custom training step with @tf.function(jit_compile=False)."
+)
+
+_COMPAT_V1 = (
+    "hora.tensorflow.keras.DistributedOptimizer wraps Keras optimizers; tf.compat.v1.train "
+    "optimizers belong to TensorFlow 1 graphs and sessions, which hora does not support. Use a "
+    "Keras optimizer (tf.keras.optimizers.SGD, Adam, ...) with DistributedOptimizer, or "
+    "hvd.DistributedGradientTape in a custom training loop."
+)
+
+
+def flavor(optimizer: Any) -> str:
+    """Which Keras ``optimizer`` belongs to: :data:`KERAS3` or :data:`TF_KERAS`.
+
+    Raises:
+        NotImplementedError: a ``tf.compat.v1.train.Optimizer``.
+        TypeError: not a Keras optimizer.
+    """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise NotImplementedError(_COMPAT_V1)
+    if callable(getattr(optimizer, "stateless_apply", None)) and callable(
+        getattr(optimizer, "apply", None)
+    ):
+        return KERAS3
+    if callable(getattr(optimizer, "apply_gradients", None)) and callable(
+        getattr(optimizer, "get_config", None)
+    ):
+        return TF_KERAS
+    raise TypeError(
+        "DistributedOptimizer wraps a Keras optimizer (keras.optimizers.*, tf_keras.optimizers.* "
+        f"or tf_keras.optimizers.legacy.*); got {type(optimizer).__qualname__}. In a custom "
+        "training loop without a Keras optimizer, use hvd.DistributedGradientTape instead."
+    )
+
+
+def is_distributed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is already a hora ``DistributedOptimizer``."""
+    return isinstance(getattr(optimizer, "_hora", None), HoraState)
+
+
+class GradientAccumulator:
+    """Sums gradients over ``passes`` calls; every ``passes``-th call hands the sum on.
+
+    Args:
+        passes: ``backward_passes_per_step``.
+        average: divide the sum by ``passes`` (``average_aggregated_gradients``).
+    """
+
+    def __init__(self, passes: int, average: bool) -> None:
+        self.passes = passes
+        self.average = average
+        self.count: tf.Variable | None = None
+        self.sums: dict[int, tf.Variable] = {}
+        self._owners: list[Any] = []  # keeps the keys of ``sums`` (ids) from being reused
+
+    def _ensure(self, variables: Sequence[Any]) -> None:
+        # init_scope: created once, eagerly, even while a tf.function is traced.
+        with tf.init_scope():
+            if self.count is None:
+                self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="hora_passes")
+            for variable in variables:
+                if id(variable) not in self.sums:
+                    self._owners.append(variable)
+                    self.sums[id(variable)] = tf.Variable(
+                        tf.zeros(variable.shape, dtype=tf.as_dtype(variable.dtype)),
+                        trainable=False,
+                        name="hora_accumulated_gradient",
+                    )
+
+    @staticmethod
+    def _read(total: tf.Variable, scale: float) -> tf.Tensor:
+        value = total.read_value()
+        return value * tf.cast(scale, value.dtype) if scale != 1.0 else value
+
+    def step(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[Any],
+        apply: Callable[[list[Any]], Any],
+    ) -> tf.Tensor:
+        """Add ``grads`` to the sums; on every ``passes``-th call, ``apply(sums)`` and reset.
+
+        Returns:
+            A boolean tensor: whether this call applied.
+        """
+        self._ensure(variables)
+        assert self.count is not None
+        count = self.count.assign_add(1)
+        live = [(g, self.sums[id(v)]) for g, v in zip(grads, variables) if g is not None]
+        for grad, total in live:
+            total.assign_add(tf.cast(tf.convert_to_tensor(grad), total.dtype))
+
+        def flush() -> tf.Tensor:
+            scale = 1.0 / self.passes if self.average else 1.0
+            apply(
+                [
+                    None if g is None else self._read(self.sums[id(v)], scale)
+                    for g, v in zip(grads, variables)
+                ]
+            )
+            for _, total in live:
+                total.assign(tf.zeros_like(total))
+            return tf.constant(True)
+
+        return tf.cond(
+            tf.equal(count % self.passes, 0), flush, lambda: tf.constant(False), name="hora_apply"
+        )
+
+
+@dataclass
+class HoraState:
+    """What a wrapped optimizer carries besides its own state (never saved with the model)."""
+
+    reducer: GradientReducer
+    accumulator: GradientAccumulator | None
+
+
+def _refuse_xla() -> None:
+    if not tf.executing_eagerly() and in_xla_context():
+        raise HoraValueError(_XLA)
+
+
+def _known_variables(optimizer: Any) -> list[Any]:
+    """The variables a built Keras 3 optimizer was built on."""
+    variables = getattr(optimizer, "_trainable_variables", None)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if variables is None and inner is not None:
+        return _known_variables(inner)
+    if variables is None:
+        raise ValueError(
+            "apply() got gradients without variables, but the optimizer is not built yet: pass "
+            "the variables, optimizer.apply(grads, model.trainable_variables), or call "
+            "optimizer.build(model.trainable_variables) first."
+        )
+    return list(variables)
+
+
+def _keras3_methods(base: type[Any]) -> dict[str, Any]:
+    base_apply = base.apply
+
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        if not grads:
+            return base_apply(self, grads, trainable_variables)
+        _refuse_xla()
+        state: HoraState = self._hora
+        if trainable_variables is None:
+            variables = _known_variables(self)
+        else:
+            variables = list(trainable_variables)
+        if state.accumulator is None:
+            return base_apply(self, state.reducer.reduce(grads, variables), trainable_variables)
+        if not self.built:
+            self.build(variables)
+
+        def update(total: list[Any]) -> None:
+            base_apply(self, state.reducer.reduce(total, variables), variables)
+
+        state.accumulator.step(grads, variables, update)
+        return None
+
+    return {"apply": apply}
+
+
+def _build_tf_keras(optimizer: Any, variables: Sequence[Any]) -> None:
+    with tf.init_scope():
+        if callable(getattr(optimizer, "_create_all_weights", None)):  # legacy optimizers
+            optimizer._create_all_weights(list(variables))
+        else:
+            optimizer.build(list(variables))
+
+
+def _tf_keras_methods(base: type[Any]) -> dict[str, Any]:
+    base_apply_gradients = base.apply_gradients
+
+    def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        pairs = list(grads_and_vars)
+        if not pairs:
+            return base_apply_gradients(self, pairs, *args, **kwargs)
+        _refuse_xla()
+        state: HoraState = self._hora
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        if state.accumulator is None:
+            reduced = state.reducer.reduce(grads, variables)
+            return base_apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
+        _build_tf_keras(self, variables)
+
+        def update(total: list[Any]) -> None:
+            reduced = state.reducer.reduce(total, variables)
+            base_apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
+
+        state.accumulator.step(grads, variables, update)
+        return self.iterations
+
+    return {"apply_gradients": apply_gradients}
+
+
+def _register_local_var(self: Any, var: Any) -> None:
+    """Keep ``var``'s gradient on this rank: it is not averaged (see
+    ``PartialDistributedOptimizer``)."""
+    self._hora.reducer.local_variables.add(id(var))
+
+
+def distributed_class(base: type[Any], kind: str) -> type[Any]:
+    """A subclass of the optimizer class ``base`` whose updates average gradients first.
+
+    It keeps ``base``'s name, qualified name and module, so Keras saves it as ``base``.
+    """
+    methods = _keras3_methods(base) if kind == KERAS3 else _tf_keras_methods(base)
+    methods["register_local_var"] = _register_local_var
+    methods["__module__"] = base.__module__
+    methods["__qualname__"] = base.__qualname__
+    methods["__doc__"] = base.__doc__
+    return type(base.__name__, (base,), methods)
+
+
+def attach(optimizer: Any, state: HoraState) -> None:
+    """Give a wrapped optimizer its hora state without Keras tracking it (it is never saved)."""
+    object.__setattr__(optimizer, "_hora", state)
+
+
+def wrap(optimizer: Any, state: HoraState) -> Any:
+    """A new optimizer, of the distributed subclass, made from ``optimizer``'s config."""
+    cls = distributed_class(type(optimizer), flavor(optimizer))
+    wrapped = cls.from_config(optimizer.get_config())
+    attach(wrapped, state)
+    return wrapped
+
+
+def wrap_in_place(optimizer: Any, state: HoraState) -> Any:
+    """Turn ``optimizer`` itself into a distributed one, keeping its variables and state."""
+    cls = distributed_class(type(optimizer), flavor(optimizer))
+    object.__setattr__(optimizer, "__class__", cls)
+    attach(optimizer, state)
+    return optimizer

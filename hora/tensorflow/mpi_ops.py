@@ -1,0 +1,631 @@
+"""Horovod's collective operations on TensorFlow tensors, eager and inside ``tf.function``.
+
+Each collective hands torch views of its inputs to the engine through :mod:`hora.torch.ops`'
+``*_async`` functions (the same submission layer, names and process sets as PyTorch users get)
+and returns TensorFlow tensors (:mod:`hora.tensorflow._bridge`). The differentiable ones carry
+their gradient with ``tf.custom_gradient``:
+
+- allreduce: the gradient is allreduced the same way (same op and scale factors);
+- allgather: the gradient is averaged over the ranks, and each rank keeps its own rows;
+- broadcast: the gradient is averaged over the ranks and reaches the root only;
+- alltoall: the gradient travels back with the splits each rank received;
+- reducescatter: the gradient is allgathered (scaled as the forward pass scaled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+import torch
+
+from hora.common import basics
+from hora.common.errors import HoraValueError
+from hora.common.message import ReduceOp, RequestType
+from hora.common.process_sets import ProcessSet
+from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, run_python
+from hora.torch import ops as torch_ops
+
+global_process_set = basics.global_process_set
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+# Unsigned types the engine does not reduce; they are reduced as int64.
+_WIDENED = (tf.uint16, tf.uint32)
+
+# process_set_included_op's answers when it cannot say 0 or 1 (Horovod's codes).
+PROCESS_SET_ERROR_INIT = -1
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
+
+
+def _tensors(values: Sequence[Any]) -> list[tf.Tensor]:
+    return [v if isinstance(v, tf.Tensor) else tf.convert_to_tensor(v) for v in values]
+
+
+def _grad_name(name: str | None) -> str | None:
+    return None if name is None else f"{name}.grad"
+
+
+# ---------------------------------------------------------------- allreduce
+
+
+def _reduce(
+    tensors: list[tf.Tensor],
+    op: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool,
+) -> list[tf.Tensor]:
+    name = graph_name(name, "grouped_allreduce" if grouped else "allreduce")
+    dtypes = [t.dtype for t in tensors]
+    # Unsigned types the engine does not carry are reduced as int64 (exact), then cast back.
+    tensors = [tf.cast(t, tf.int64) if t.dtype in _WIDENED else t for t in tensors]
+
+    def reduce(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if grouped:
+            handle = torch_ops.grouped_allreduce_async(
+                inputs, None, name, op, prescale_factor, postscale_factor, process_set
+            )
+            return list(torch_ops.synchronize(handle))
+        handle = torch_ops.allreduce_async(
+            inputs[0], None, name, op, prescale_factor, postscale_factor, process_set
+        )
+        return [torch_ops.synchronize(handle)]
+
+    outputs = run(
+        reduce, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], "allreduce"
+    )
+    return [o if o.dtype == d else tf.cast(o, d) for o, d in zip(outputs, dtypes)]
+
+
+def _allreduce(
+    tensors: list[tf.Tensor],
+    op: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool,
+) -> list[tf.Tensor]:
+    """Allreduce with its gradient (the gradient is reduced the same way)."""
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def reduce(*inputs: tf.Tensor) -> Any:
+        outputs = _reduce(
+            list(inputs), op, prescale_factor, postscale_factor, name, process_set, grouped
+        )
+
+        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
+            return _allreduce(
+                _tensors(upstream),
+                op,
+                prescale_factor,
+                postscale_factor,
+                _grad_name(name),
+                process_set,
+                grouped,
+            )
+
+        return outputs, grad
+
+    results = reduce(*tensors)
+    return list(results) if isinstance(results, (list, tuple)) else [results]
+
+
+def _check_sparse_op(op: Any, prescale_factor: float, postscale_factor: float) -> None:
+    if op == Adasum:
+        raise NotImplementedError(
+            "Adasum does not reduce tf.IndexedSlices (sparse gradients); pass "
+            "sparse_as_dense=True to DistributedOptimizer or DistributedGradientTape."
+        )
+    if op not in (Sum, Average):
+        raise NotImplementedError("Only Sum and Average reduce tf.IndexedSlices.")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre- and postscale factors do not apply to tf.IndexedSlices.")
+
+
+def _sparse_allreduce(
+    slices: tf.IndexedSlices,
+    op: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+    name: str | None,
+    process_set: ProcessSet,
+) -> tf.IndexedSlices:
+    """Reduce sparse rows by gathering every rank's values and indices (rows that several ranks
+    hold are summed when the slices are applied)."""
+    _check_sparse_op(op, prescale_factor, postscale_factor)
+    values = allgather(slices.values, name=None if name is None else f"{name}.values",
+                       process_set=process_set)  # fmt: skip
+    indices = allgather(slices.indices, name=None if name is None else f"{name}.indices",
+                        process_set=process_set)  # fmt: skip
+    if op == Average:
+        values = values / tf.cast(process_set.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Reduce a tensor (or ``tf.IndexedSlices``) across the ranks of ``process_set``.
+
+    The result is ``postscale_factor * op(prescale_factor * tensor on each rank)``. A
+    ``tf.IndexedSlices`` is gathered instead (values and indices from every rank; Average
+    divides the values by the number of ranks). Differentiable.
+
+    Args:
+        tensor: a ``tf.Tensor``, ``tf.Variable``, Keras variable or ``tf.IndexedSlices``.
+        average: deprecated; use ``op``.
+        device_dense, device_sparse: accepted for compatibility; hora reduces where the
+            tensor is.
+        compression: ``hvd.Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max``, ``hvd.Product``,
+            ``hvd.Adasum``.
+        prescale_factor, postscale_factor: multiply before and after reducing.
+        name: shared by all ranks; collectives are matched across ranks by name.
+        process_set: the ranks taking part (default: all).
+        ignore_name_scope: accepted for compatibility (hora names do not use name scopes).
+
+    Example:
+        >>> total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
+    """
+    del device_dense, device_sparse, ignore_name_scope
+    from hora.common import submission
+    from hora.tensorflow.compression import Compression
+
+    reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(
+            tensor, reduce_op, prescale_factor, postscale_factor, name, process_set
+        )
+    compression = compression or Compression.none
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    (result,) = _allreduce(
+        [compressed], reduce_op, prescale_factor, postscale_factor, name, process_set, False
+    )
+    return compression.decompress(result, ctx)
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+) -> list[Any]:
+    """Reduce a list of tensors as one negotiated, fused operation (see :func:`allreduce`).
+
+    ``tf.IndexedSlices`` in the list are gathered one by one; the dense ones travel together.
+    """
+    del device_dense, device_sparse, ignore_name_scope
+    from hora.common import submission
+    from hora.tensorflow.compression import Compression
+
+    reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
+    compression = compression or Compression.none
+    results: list[Any] = list(tensors)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            sub = None if name is None else f"{name}.{i}"
+            results[i] = _sparse_allreduce(
+                t, reduce_op, prescale_factor, postscale_factor, sub, process_set
+            )
+    if not dense:
+        return results
+    compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
+    reduced = _allreduce(
+        [c for c, _ in compressed],
+        reduce_op,
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
+        True,
+    )
+    for i, value, (_, ctx) in zip(dense, reduced, compressed):
+        results[i] = compression.decompress(value, ctx)
+    return results
+
+
+# ---------------------------------------------------------------- allgather
+
+
+def _gather(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet, grouped: bool):  # type: ignore[no-untyped-def]
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise HoraValueError("Allgather needs a tensor with at least one dimension.")
+
+    name = graph_name(name, "grouped_allgather" if grouped else "allgather")
+    dtypes = [t.dtype for t in tensors]
+    tensors = [as_wire(t) for t in tensors]
+
+    def gather(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if grouped:
+            return list(
+                torch_ops.synchronize(torch_ops.grouped_allgather_async(inputs, name, process_set))
+            )
+        return [torch_ops.synchronize(torch_ops.allgather_async(inputs[0], name, process_set))]
+
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    outputs = run(gather, tensors, [t.dtype for t in tensors], shapes, "allgather")
+    return [from_wire(o, d) for o, d in zip(outputs, dtypes)]
+
+
+def _own_rows(grad: tf.Tensor, rows: tf.Tensor, process_set: ProcessSet) -> tf.Tensor:
+    counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), process_set=process_set)
+    counts = tf.reshape(counts, [process_set.size()])
+    return tf.split(grad, num_or_size_splits=counts, axis=0)[process_set.rank()]
+
+
+def _allgather(
+    tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
+) -> list[tf.Tensor]:
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def gather(*inputs: tf.Tensor) -> Any:
+        outputs = _gather(list(inputs), name, process_set, grouped)
+
+        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
+            averaged = _allreduce(_tensors(upstream), Average, 1.0, 1.0, None, process_set, grouped)
+            return [_own_rows(g, tf.shape(x)[0], process_set) for g, x in zip(averaged, inputs)]
+
+        return outputs, grad
+
+    results = gather(*tensors)
+    return list(results) if isinstance(results, (list, tuple)) else [results]
+
+
+def allgather(
+    tensor: Any,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """Concatenate every rank's tensor along dimension 0, in rank order.
+
+    The first dimension may differ between ranks; the others must match. Differentiable.
+    """
+    del ignore_name_scope
+    (result,) = _allgather([tf.convert_to_tensor(tensor)], name, process_set, False)
+    return result
+
+
+def grouped_allgather(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> list[tf.Tensor]:
+    """Allgather each tensor of a list, negotiated together."""
+    del ignore_name_scope
+    return _allgather(_tensors(tensors), name, process_set, True)
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+def _send(tensor: tf.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> Any:
+    name = graph_name(name, "broadcast")
+    dtype, tensor = tensor.dtype, as_wire(tensor)
+
+    def send(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        handle = torch_ops.broadcast_async(inputs[0], root_rank, name, process_set)
+        return [torch_ops.synchronize(handle)]
+
+    return from_wire(run(send, [tensor], [tensor.dtype], [tensor.shape], "broadcast")[0], dtype)
+
+
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """``root_rank``'s tensor, on every rank (a new tensor). Differentiable: the gradient is
+    averaged over the ranks and reaches the root only."""
+    del ignore_name_scope
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def send(value: tf.Tensor) -> Any:
+        def grad(upstream: tf.Tensor) -> tf.Tensor:
+            (averaged,) = _allreduce(
+                [tf.convert_to_tensor(upstream)], Average, 1.0, 1.0, None, process_set, False
+            )
+            return averaged if basics.rank() == root_rank else averaged * 0
+
+        return _send(value, int(root_rank), name, process_set), grad
+
+    return send(tf.convert_to_tensor(tensor))
+
+
+def broadcast_(
+    variables: Sequence[Any],
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[Any]:
+    """Overwrite each variable with ``root_rank``'s value, in place; returns the new values.
+
+    Every variable is sent in one negotiated batch.
+    """
+    variables = list(variables)
+    if not variables:
+        return []
+    name = graph_name(name, "broadcast_")
+
+    def send(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        handles = [
+            torch_ops.broadcast_async(
+                x, int(root_rank), None if name is None else f"{name}.{i}", process_set
+            )
+            for i, x in enumerate(inputs)
+        ]
+        return [torch_ops.synchronize(h) for h in handles]
+
+    values = [as_wire(tf.convert_to_tensor(v)) for v in variables]
+    received = run(send, values, [v.dtype for v in values], [v.shape for v in values], "broadcast")
+    for variable, value in zip(variables, received):
+        variable.assign(from_wire(value, variable.dtype))
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+# ---------------------------------------------------------------- alltoall
+
+
+def _exchange(
+    tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None, process_set: ProcessSet
+) -> list[tf.Tensor]:
+    name = graph_name(name, "alltoall")
+    dtype, tensor = tensor.dtype, as_wire(tensor)
+    inputs = [tensor] if splits is None else [tensor, splits]
+
+    def exchange(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        given = None if splits is None else values[1].to(torch.int64).tolist()
+        handle = torch_ops.alltoall_async(values[0], given, name, process_set)
+        output, received = torch_ops.synchronize(handle)
+        return [output, received.to(torch.int32)]
+
+    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
+    output, received = run(exchange, inputs, [tensor.dtype, tf.int32], [shape, [None]], "alltoall")
+    return [from_wire(output, dtype), received]
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Send ``splits[i]`` rows of ``tensor`` to rank ``i`` and gather what every rank sends.
+
+    Returns:
+        The gathered rows; with ``splits`` given, ``(rows, received_splits)``. Differentiable.
+    """
+    del ignore_name_scope
+    given = None if splits is None else tf.convert_to_tensor(splits)
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def exchange(value: tf.Tensor) -> Any:
+        output, received = _exchange(value, given, name, process_set)
+
+        def grad(upstream: tf.Tensor, _received: Any = None) -> tf.Tensor:
+            back, _ = _exchange(tf.convert_to_tensor(upstream), received, None, process_set)
+            return back
+
+        return (output, received), grad
+
+    output, received = exchange(tf.convert_to_tensor(tensor))
+    return (output, received) if splits is not None else output
+
+
+# ---------------------------------------------------------------- reducescatter
+
+
+def _scatter(
+    tensors: list[tf.Tensor],
+    op: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool,
+) -> list[tf.Tensor]:
+    name = graph_name(name, "grouped_reducescatter" if grouped else "reducescatter")
+
+    def scatter(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if grouped:
+            handle = torch_ops.grouped_reducescatter_async(
+                inputs, name, op, process_set, prescale_factor, postscale_factor
+            )
+            return list(torch_ops.synchronize(handle))
+        handle = torch_ops.reducescatter_async(
+            inputs[0], name, op, process_set, prescale_factor, postscale_factor
+        )
+        return [torch_ops.synchronize(handle)]
+
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    return run(scatter, tensors, [t.dtype for t in tensors], shapes, "reducescatter")
+
+
+def _reducescatter(
+    tensors: list[tf.Tensor],
+    op: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool,
+) -> list[tf.Tensor]:
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def scatter(*inputs: tf.Tensor) -> Any:
+        outputs = _scatter(
+            list(inputs), op, prescale_factor, postscale_factor, name, process_set, grouped
+        )
+
+        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
+            scale = prescale_factor * postscale_factor
+            if op == Sum:
+                scale *= process_set.size()
+            scaled = [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in upstream]
+            return _allgather(_tensors(scaled), None, process_set, grouped)
+
+        return outputs, grad
+
+    results = scatter(*tensors)
+    return list(results) if isinstance(results, (list, tuple)) else [results]
+
+
+def _scatter_op(op: Any) -> Any:
+    from hora.common import submission
+
+    reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
+    if reduce_op not in (Average, Sum):
+        raise NotImplementedError("Reducescatter supports Sum and Average only.")
+    return reduce_op
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Any = None,
+    op: Any = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduce across ranks and return this rank's slice of dimension 0 (the first
+    ``dim0 % size`` ranks get one extra row). Differentiable."""
+    del device_dense, ignore_name_scope
+    from hora.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    (result,) = _reducescatter(
+        [compressed], _scatter_op(op), prescale_factor, postscale_factor, name, process_set, False
+    )
+    return compression.decompress(result, ctx)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: Any = None,
+    op: Any = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
+    """Reducescatter each tensor of a list, negotiated together."""
+    del device_dense, ignore_name_scope
+    from hora.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    compressed = [compression.compress(t) for t in _tensors(tensors)]
+    results = _reducescatter(
+        [c for c, _ in compressed],
+        _scatter_op(op),
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
+        True,
+    )
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
+
+
+# ---------------------------------------------------------------- synchronization and ops
+
+
+def join() -> tf.Tensor:
+    """Tell the other ranks this rank has no more data; wait until every rank has joined.
+
+    Returns the last rank to join (an int32 scalar tensor, the same on every rank).
+    """
+    return run_python(torch_ops.join, tf.int32, "join")
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of ``process_set`` has called ``barrier``."""
+    if tf.executing_eagerly():
+        torch_ops.barrier(process_set)
+        return
+
+    def wait() -> int:
+        torch_ops.barrier(process_set)
+        return 0
+
+    run_python(wait, tf.int32, "barrier")
+
+
+def _set_size(process_set_id: int) -> int:
+    return len(basics.engine().process_sets.members(process_set_id))
+
+
+def _included(process_set_id: int) -> int:
+    if not basics.is_initialized():
+        return PROCESS_SET_ERROR_INIT
+    table = basics.engine().process_sets
+    if not table.contains(process_set_id):
+        return PROCESS_SET_ERROR_UNKNOWN_SET
+    return int(basics.rank() in table.members(process_set_id))
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of ranks (of a process set), as an int32 tensor computed when it runs."""
+    del name
+    return run_python(lambda: _set_size(process_set_id), tf.int32, "size_op")
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of ranks on this host, as an int32 tensor computed when it runs."""
+    del name
+    return run_python(basics.local_size, tf.int32, "local_size_op")
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank, as an int32 tensor computed when it runs."""
+    del name
+    return run_python(basics.rank, tf.int32, "rank_op")
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank on its host, as an int32 tensor computed when it runs."""
+    del name
+    return run_python(basics.local_rank, tf.int32, "local_rank_op")
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 if this rank belongs to the process set, 0 if not, -1 before ``init``, -3 for an
+    unknown set (Horovod's codes); an int32 tensor computed when it runs."""
+    del name
+    return run_python(lambda: _included(process_set_id), tf.int32, "process_set_included_op")
