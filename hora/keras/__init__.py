@@ -15,3 +15,10 @@ from hora.tensorflow.keras import *  # noqa: F403 - the alias re-exports everyth
 from hora.tensorflow.keras import __all__ as _all
 
 __all__ = list(_all)
+
+
+def __getattr__(name: str) -> object:
+    # Names the Keras module loads on first use (hvd.elastic).
+    import hora.tensorflow.keras as _keras
+
+    return getattr(_keras, name)

@@ -73,7 +73,7 @@ def graph_name(name: str | None, kind: str) -> str | None:
     if name is not None or tf.executing_eagerly():
         return name
     counter = _traced.setdefault(kind, itertools.count(1))
-    return f"{kind}.graph.{next(counter)}"
+    return f"graph.{next(counter)}"  # the engine puts the kind in front: "allreduce.graph.1"
 
 
 def restart_graph_names() -> None:

@@ -224,6 +224,47 @@ def _elastic(hvd: Any, tf: Any, folder: str) -> dict[str, Any]:
     }
 
 
+def _keras_elastic(tf: Any) -> dict[str, Any]:
+    import hora.keras as khvd
+
+    model = _model(tf, 5)
+    model.compile(optimizer=khvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")
+    state = khvd.elastic.KerasState(model, batch=2, epoch=1)
+    commits: list[int] = []
+    steps: list[int] = []
+
+    class Count(tf.keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            steps.append(0)
+
+        def on_batch_end(self, batch: int, logs: Any = None) -> None:
+            steps[-1] += 1
+
+    original = state.commit
+    state.commit = lambda: (commits.append(state.batch), original())[1]
+
+    @khvd.elastic.run
+    def train(state: Any) -> None:
+        # Resume in the middle of an epoch: its first fit skips the batches already done.
+        x = np.ones((40, 3), dtype="float32")
+        done = state.batch
+        first = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4).skip(done)
+        model.fit(first, steps_per_epoch=5 - done, epochs=1, verbose=0, callbacks=[
+                      khvd.elastic.CommitStateCallback(state, batches_per_commit=2),
+                      khvd.elastic.UpdateBatchStateCallback(state),
+                      khvd.elastic.UpdateEpochStateCallback(state),
+                      Count()])  # fmt: skip
+        model.fit(x, x[:, :1], batch_size=4, steps_per_epoch=5, epochs=3 - state.epoch,
+                  verbose=0, callbacks=[
+                      khvd.elastic.CommitStateCallback(state, batches_per_commit=2),
+                      khvd.elastic.UpdateBatchStateCallback(state),
+                      khvd.elastic.UpdateEpochStateCallback(state),
+                      Count()])  # fmt: skip
+
+    train(state)
+    return {"epoch": state.epoch, "batch": state.batch, "steps": steps, "commits": commits}
+
+
 def _refusals(hvd: Any, tf: Any) -> dict[str, Any]:
     r = hvd.rank()
     out: dict[str, Any] = {}
@@ -259,6 +300,7 @@ def _job(folder: str) -> dict[str, Any]:
             "sync_batch_norm": _sync_batch_norm(hvd, tf),
             "elastic": _elastic(hvd, tf, folder),
             "refusals": _refusals(hvd, tf),
+            "keras_elastic": _keras_elastic(tf),
             "keras": tf.keras.__name__,
         }
     finally:
@@ -428,3 +470,15 @@ def test_refusals_name_the_problem_and_hora_keeps_working(ranks: list[Any]) -> N
         assert "broadcast_variables" in f["global_variables"]["message"]
         assert "NotImplementedError" in f["session"]["types"]
         assert f["after"] == [float(n), float(n)]
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_keras_elastic_callbacks_track_epochs_and_batches(ranks: list[Any]) -> None:
+    for seen in ranks:
+        k = seen["keras_elastic"]
+        # Started at epoch 1, batch 2: the first epoch runs the 3 batches not done, the next 5.
+        assert k["steps"] == [3, 5]
+        assert k["epoch"] == 3 and k["batch"] == 0
+        # A commit every second batch (state.batch then counts from the resumed position) and
+        # at each epoch's end.
+        assert k["commits"] == [4, 0, 2, 4, 0]

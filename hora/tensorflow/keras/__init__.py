@@ -467,3 +467,12 @@ __all__ = [
     "start_timeline",
     "stop_timeline",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # hvd.elastic loads on first use.
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("hora.tensorflow.keras.elastic")
+    raise AttributeError(f"module 'hora.tensorflow.keras' has no attribute {name!r}")
