@@ -129,7 +129,9 @@ def make_tape_class(base: Any) -> Any:
         sources: Any,
         output_gradients: Any = None,
         unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+        use_generic_names: bool = False,
     ) -> Any:
+        del use_generic_names  # Horovod's naming option; hora names by the variables
         grads = base.gradient(self, target, sources, output_gradients, unconnected_gradients)
         reduced = self._hora_reducer.reduce(tf.nest.flatten(grads), tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(grads, reduced)
@@ -138,10 +140,33 @@ def make_tape_class(base: Any) -> Any:
         """Keep ``source``'s gradient on this rank (not averaged)."""
         self._hora_reducer.local_variables.add(id(source))
 
+    def get_local_and_global_gradients(
+        self: Any,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        use_generic_names: bool = False,
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """``gradient()``, split into ``[(source, gradient)]`` of the local sources and of the
+        averaged ones, each in the order of ``sources``."""
+        grads = gradient(
+            self, target, sources, output_gradients, use_generic_names=use_generic_names
+        )
+        local = self._hora_reducer.local_variables
+        pairs = list(zip(sources, grads))
+        return (
+            [(s, g) for s, g in pairs if id(s) in local],
+            [(s, g) for s, g in pairs if id(s) not in local],
+        )
+
     return type(
         base.__name__,
         (base,),
-        {"gradient": gradient, "register_local_source": register_local_source},
+        {
+            "gradient": gradient,
+            "register_local_source": register_local_source,
+            "get_local_and_global_gradients": get_local_and_global_gradients,
+        },
     )
 
 

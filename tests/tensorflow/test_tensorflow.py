@@ -166,6 +166,14 @@ def _tape(hvd: Any, tf: Any) -> dict[str, Any]:
     last = model.layers[-1]
     partial = grads(lambda t: hvd.PartialDistributedGradientTape(t, local_layers=[last]), inputs[r])
     out["partial"] = partial
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(inputs[r]) ** 2)
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[last])
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(loss, model.trainable_variables)
+    out["split"] = [
+        [g.numpy().ravel().tolist() for _, g in local_pairs],
+        [g.numpy().ravel().tolist() for _, g in global_pairs],
+    ]
     out["partial.local"] = [(np.array(g) / n).tolist() for g in local[r]]
     embedding = tf.Variable(tf.zeros([n + 1, 2]))
     for as_dense in (False, True):
@@ -428,6 +436,10 @@ def test_distributed_gradient_tape_averages(ranks: list[Any]) -> None:
         for got, want in zip(t["partial"][:2], t["expected"][:2]):
             np.testing.assert_allclose(got, want, rtol=1e-5)
         for got, want in zip(t["partial"][2:], t["partial.local"][2:]):
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+        local_part, global_part = t["split"]
+        assert len(local_part) == 2 and len(global_part) == 2
+        for got, want in zip(global_part + local_part, t["partial"]):
             np.testing.assert_allclose(got, want, rtol=1e-5)
         # Embedding rows r and n: every rank's row r once, and row n from all.
         rows = np.zeros((n + 1, 2))
