@@ -40,7 +40,7 @@ class GradientReducer:
             ``size / factor`` after it.
         num_groups: split the gradients into this many groups (0: one group).
         groups: explicit groups, as lists of variables (overrides ``num_groups``).
-        process_set: the ranks that average.
+        process_set: the ranks that average; the other ranks keep their own gradients.
         local_variables: variables whose gradients stay local (``PartialDistributed*``).
         scale_local_gradients: divide local gradients by the process set's size.
         prefix: starts the collectives' names.
@@ -91,6 +91,8 @@ class GradientReducer:
         out: list[Any] = list(grads)
         if basics.size() == 1 and self.process_set is mpi_ops.global_process_set:
             return out
+        if self.process_set is not mpi_ops.global_process_set and not self.process_set.included():
+            return out  # a rank outside the process set keeps its own gradients
         shared: list[int] = []
         for i, (grad, var) in enumerate(zip(grads, variables)):
             if grad is None:
