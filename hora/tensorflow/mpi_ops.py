@@ -14,7 +14,7 @@ their gradient with ``tf.custom_gradient``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -50,6 +50,24 @@ def _tensors(values: Sequence[Any]) -> list[tf.Tensor]:
 
 def _grad_name(name: str | None) -> str | None:
     return None if name is None else f"{name}.grad"
+
+
+def _differentiable(
+    forward: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+    backward: Callable[[list[tf.Tensor], list[tf.Tensor]], list[tf.Tensor]],
+    tensors: list[tf.Tensor],
+) -> list[tf.Tensor]:
+    """``forward(tensors)``, whose gradient is ``backward(inputs, upstream gradients)``."""
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def call(*inputs: tf.Tensor) -> Any:
+        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
+            return backward(list(inputs), _tensors(upstream))
+
+        return forward(list(inputs)), grad
+
+    results = call(*tensors)
+    return list(results) if isinstance(results, (list, tuple)) else [results]
 
 
 # ---------------------------------------------------------------- allreduce
@@ -96,28 +114,15 @@ def _allreduce(
     grouped: bool,
 ) -> list[tf.Tensor]:
     """Allreduce with its gradient (the gradient is reduced the same way)."""
-
-    @tf.custom_gradient  # type: ignore[untyped-decorator]
-    def reduce(*inputs: tf.Tensor) -> Any:
-        outputs = _reduce(
-            list(inputs), op, prescale_factor, postscale_factor, name, process_set, grouped
-        )
-
-        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
-            return _allreduce(
-                _tensors(upstream),
-                op,
-                prescale_factor,
-                postscale_factor,
-                _grad_name(name),
-                process_set,
-                grouped,
-            )
-
-        return outputs, grad
-
-    results = reduce(*tensors)
-    return list(results) if isinstance(results, (list, tuple)) else [results]
+    return _differentiable(
+        lambda inputs: _reduce(
+            inputs, op, prescale_factor, postscale_factor, name, process_set, grouped
+        ),
+        lambda _inputs, upstream: _allreduce(
+            upstream, op, prescale_factor, postscale_factor, _grad_name(name), process_set, grouped
+        ),
+        tensors,
+    )
 
 
 def _check_sparse_op(op: Any, prescale_factor: float, postscale_factor: float) -> None:
@@ -285,18 +290,13 @@ def _own_rows(grad: tf.Tensor, rows: tf.Tensor, process_set: ProcessSet) -> tf.T
 def _allgather(
     tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
 ) -> list[tf.Tensor]:
-    @tf.custom_gradient  # type: ignore[untyped-decorator]
-    def gather(*inputs: tf.Tensor) -> Any:
-        outputs = _gather(list(inputs), name, process_set, grouped)
+    def backward(inputs: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
+        averaged = _allreduce(upstream, Average, 1.0, 1.0, None, process_set, grouped)
+        return [_own_rows(g, tf.shape(x)[0], process_set) for g, x in zip(averaged, inputs)]
 
-        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
-            averaged = _allreduce(_tensors(upstream), Average, 1.0, 1.0, None, process_set, grouped)
-            return [_own_rows(g, tf.shape(x)[0], process_set) for g, x in zip(averaged, inputs)]
-
-        return outputs, grad
-
-    results = gather(*tensors)
-    return list(results) if isinstance(results, (list, tuple)) else [results]
+    return _differentiable(
+        lambda inputs: _gather(inputs, name, process_set, grouped), backward, tensors
+    )
 
 
 def allgather(
@@ -482,23 +482,20 @@ def _reducescatter(
     process_set: ProcessSet,
     grouped: bool,
 ) -> list[tf.Tensor]:
-    @tf.custom_gradient  # type: ignore[untyped-decorator]
-    def scatter(*inputs: tf.Tensor) -> Any:
-        outputs = _scatter(
-            list(inputs), op, prescale_factor, postscale_factor, name, process_set, grouped
-        )
+    def backward(_inputs: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
+        scale = prescale_factor * postscale_factor
+        if op == Sum:
+            scale *= process_set.size()
+        scaled = [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in upstream]
+        return _allgather(scaled, None, process_set, grouped)
 
-        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
-            scale = prescale_factor * postscale_factor
-            if op == Sum:
-                scale *= process_set.size()
-            scaled = [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in upstream]
-            return _allgather(_tensors(scaled), None, process_set, grouped)
-
-        return outputs, grad
-
-    results = scatter(*tensors)
-    return list(results) if isinstance(results, (list, tuple)) else [results]
+    return _differentiable(
+        lambda inputs: _scatter(
+            inputs, op, prescale_factor, postscale_factor, name, process_set, grouped
+        ),
+        backward,
+        tensors,
+    )
 
 
 def _scatter_op(op: Any) -> Any:
