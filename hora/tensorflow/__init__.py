@@ -65,12 +65,6 @@ from hora.tensorflow.functions import (
 )
 from hora.tensorflow.gradients import GradientReducer, distributed_tape
 from hora.tensorflow.mpi_ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
     allgather,
     allreduce,
     alltoall,
@@ -91,6 +85,7 @@ from hora.tensorflow.mpi_ops import (
 )
 from hora.torch import init as _torch_init
 from hora.torch import shutdown as _torch_shutdown
+from hora.torch.ops import Adasum, Average, Max, Min, Product, Sum
 
 _TF1 = (
     "hora.tensorflow runs TensorFlow 2 (eager and tf.function); TensorFlow 1 graphs, sessions "

@@ -22,19 +22,17 @@ import torch
 
 from hora.common import basics
 from hora.common.errors import HoraValueError
-from hora.common.message import ReduceOp, RequestType
+from hora.common.message import RequestType
 from hora.common.process_sets import ProcessSet
 from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, run_python
 from hora.torch import ops as torch_ops
 
-global_process_set = basics.global_process_set
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
+# The reduction ops and the global process set are hora.torch's own objects (one per process),
+# re-exported for the modules of hora.tensorflow.
+from hora.torch.ops import Adasum as Adasum
+from hora.torch.ops import Average as Average
+from hora.torch.ops import Sum as Sum
+from hora.torch.ops import global_process_set as global_process_set
 
 # Unsigned types the engine does not reduce; they are reduced as int64.
 _WIDENED = (tf.uint16, tf.uint32)

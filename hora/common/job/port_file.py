@@ -21,7 +21,7 @@ import re
 import time
 from pathlib import Path
 
-from hora.common.job.store import sign, verify
+from hora.common.job.store import TAG_BYTES, sign, verify
 
 # How often a waiting rank looks for the file.
 POLL_S = 0.05
@@ -57,7 +57,7 @@ def publish(path: Path, job_id: str, secret: str, port: int) -> None:
 def _remove(path: Path, port: int) -> None:
     """Remove the file at exit if it still names this process's port."""
     try:
-        if json.loads(path.read_bytes()[32:]).get("port") == port:
+        if json.loads(path.read_bytes()[TAG_BYTES:]).get("port") == port:
             path.unlink()
     except (OSError, ValueError):
         pass
