@@ -9,6 +9,7 @@ same run without hora's help) that must differ, so a check cannot pass by doing 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ ALL_CHECKS = [
     "apply",
     "passes",
     "partial",
+    "compute",
     "fit",
     "broadcast",
     "metrics",
@@ -41,7 +43,16 @@ ALL_CHECKS = [
     "errors",
 ]
 # At three ranks, the checks whose results depend on the number of ranks.
-SIZE_CHECKS = ["apply", "passes", "partial", "fit", "broadcast", "metrics", "learning_rate"]
+SIZE_CHECKS = [
+    "apply",
+    "passes",
+    "partial",
+    "compute",
+    "fit",
+    "broadcast",
+    "metrics",
+    "learning_rate",
+]
 JOBS = [("keras3", 2), ("keras3", 3), ("tf_keras", 2), ("tf_keras", 3)]
 
 
@@ -182,6 +193,29 @@ def check_partial(hvd: Any, tf: Any, flavor: str, tmp: str) -> dict[str, Any]:
         out[str(scale)] = {
             "shared": float(shared.get_weights()[0][0, 0]),
             "local": float(local.get_weights()[0][0, 0]),
+        }
+    return out
+
+
+def check_compute(hvd: Any, tf: Any, flavor: str, tmp: str) -> dict[str, Any]:
+    """Horovod-style custom loops: ``_compute_gradients`` then ``apply_gradients``."""
+    k, r = tf.keras, hvd.rank()
+    out: dict[str, Any] = {}
+    for passes in (1, 2):
+        layer = _dense(k)
+        opt = hvd.DistributedOptimizer(k.optimizers.SGD(1.0), backward_passes_per_step=passes)
+        x = tf.fill((1, 3), float(r + 1))  # d(sum(layer(x)))/d(kernel) = x
+        loss = functools.partial(lambda f, v: tf.reduce_sum(f(v)), layer, x)
+        pairs = opt._compute_gradients(loss, layer.trainable_variables)
+        counters = []
+        for _ in range(passes):
+            opt.apply_gradients(pairs)
+            counters.append(int(opt._agg_helper.counter) if passes > 1 else None)
+        out[str(passes)] = {
+            "grad": float(pairs[0][0][0, 0]),
+            "kernel": float(layer.get_weights()[0][0, 0]),
+            "counters": counters,
+            "helper": opt._agg_helper is not None,
         }
     return out
 
@@ -506,6 +540,7 @@ CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "apply": check_apply,
     "passes": check_passes,
     "partial": check_partial,
+    "compute": check_compute,
     "fit": check_fit,
     "broadcast": check_broadcast,
     "metrics": check_metrics,
@@ -612,7 +647,11 @@ def test_backward_passes_per_step_applies_every_second_call(job: dict[str, Any])
             divide = 2 if label.endswith("True") else 1
             first = -(1 + 2) * mean / divide
             second = first - (3 + 4) * mean / divide
-            expected = [(0.0, 0), (first, 1), (first, 1), (second, 2)]
+            # Keras 3's iterations counts updates (like its gradient_accumulation_steps);
+            # tf_keras's counts calls (like Horovod's wrapper).
+            updates = job["flavor"] == "keras3"
+            counts = [0, 1, 1, 2] if updates else [1, 2, 3, 4]
+            expected = list(zip([0.0, first, first, second], counts))
             for (value, iterations), (want, want_iterations) in zip(calls, expected):
                 assert _close(value, want), (label, calls, expected)
                 assert iterations == want_iterations, (label, calls)
@@ -629,6 +668,21 @@ def test_partial_distributed_optimizer_keeps_local_gradients(job: dict[str, Any]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_compute_gradients_averages_once(job: dict[str, Any]) -> None:
+    mean = (job["size"] + 1) / 2  # rank r's gradient is r + 1
+    for r, seen in enumerate(_ranks(job, "compute")):
+        # Averaged in _compute_gradients; apply_gradients does not average them again.
+        assert _close(seen["1"]["grad"], mean), seen
+        assert _close(seen["1"]["kernel"], -mean), seen
+        assert seen["1"]["helper"] is False
+        # With accumulation the gradients stay this rank's own until the update averages the
+        # sum of the two calls.
+        assert _close(seen["2"]["grad"], r + 1), seen
+        assert _close(seen["2"]["kernel"], -2 * mean), seen
+        assert seen["2"]["counters"] == [1, 0] and seen["2"]["helper"] is True
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_fit_on_n_ranks_equals_one_process_on_whole_batches(job: dict[str, Any]) -> None:
     for seen in _ranks(job, "fit"):
         families = ["new", "legacy"] if job["flavor"] == "tf_keras" else ["new"]
@@ -636,7 +690,9 @@ def test_fit_on_n_ranks_equals_one_process_on_whole_batches(job: dict[str, Any])
         for label, result in seen.items():
             assert result["diff"] < 1e-5, (label, result)
             assert result["control"] > 1e-3, (label, result)  # the data differ between ranks
-            assert result["iterations"] == result["reference_iterations"], (label, result)
+            # tf_keras counts every call (as Horovod), Keras 3 the updates.
+            calls = 2 if label.endswith("passes2") and job["flavor"] == "tf_keras" else 1
+            assert result["iterations"] == calls * result["reference_iterations"], (label, result)
             name, qualname, module = result["class"]
             assert (qualname, module) == tuple(result["base"]) and name == "SGD", result
 

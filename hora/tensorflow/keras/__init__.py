@@ -170,7 +170,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
         backward_passes_per_step: sum the gradients of this many calls locally; only every
             ``backward_passes_per_step``-th call averages across ranks and updates the
-            weights. ``optimizer.iterations`` counts the updates.
+            weights. ``optimizer.iterations`` counts the updates under Keras 3 (as its
+            ``gradient_accumulation_steps`` does) and every call under tf_keras (as Horovod).
         average_aggregated_gradients: divide the local sum by ``backward_passes_per_step``.
         num_groups: split the gradients into this many collectives (0: one for all).
         groups: a number of groups, or lists of variables that travel together.

@@ -14,13 +14,20 @@ With ``backward_passes_per_step=N`` the gradients are summed locally, in variabl
 outside the optimizer's state (a saved model carries none of them), and only every Nth call
 averages and applies them. The choice is a ``tf.cond``, so it works eagerly and in ``tf.function``;
 the optimizer is built and the accumulators exist before the ``tf.cond``, never inside a branch.
-``optimizer.iterations`` counts the updates applied, not the calls.
+``optimizer.iterations`` follows each Keras's own convention: under Keras 3 it counts the updates
+applied (as ``gradient_accumulation_steps`` does), under tf_keras every call (as Horovod did).
+
+Two more methods keep custom loops written for Horovod's tf_keras wrapper working:
+``_compute_gradients(loss, var_list, grad_loss=None, tape=None)`` returns the gradients already
+averaged (the next ``apply_gradients`` of exactly those tensors does not average them again), and
+``_agg_helper`` is the accumulator (its ``counter`` is the calls since the last update), or
+``None`` without ``backward_passes_per_step``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import tensorflow as tf
@@ -105,6 +112,13 @@ class GradientAccumulator:
                         name="hora_accumulated_gradient",
                     )
 
+    @property
+    def counter(self) -> tf.Tensor:
+        """The calls since the last update (``0`` before the first call)."""
+        if self.count is None:
+            return tf.constant(0, dtype=tf.int64)
+        return self.count % self.passes
+
     @staticmethod
     def _read(total: tf.Variable, scale: float) -> tf.Tensor:
         value = total.read_value()
@@ -115,8 +129,10 @@ class GradientAccumulator:
         grads: Sequence[Any],
         variables: Sequence[Any],
         apply: Callable[[list[Any]], Any],
+        skipped: Callable[[], Any] | None = None,
     ) -> tf.Tensor:
-        """Add ``grads`` to the sums; on every ``passes``-th call, ``apply(sums)`` and reset.
+        """Add ``grads`` to the sums; on every ``passes``-th call, ``apply(sums)`` and reset;
+        on the other calls, ``skipped()`` if given.
 
         Returns:
             A boolean tensor: whether this call applied.
@@ -140,9 +156,12 @@ class GradientAccumulator:
                 total.assign(tf.zeros_like(total))
             return tf.constant(True)
 
-        return tf.cond(
-            tf.equal(count % self.passes, 0), flush, lambda: tf.constant(False), name="hora_apply"
-        )
+        def wait() -> tf.Tensor:
+            if skipped is not None:
+                skipped()
+            return tf.constant(False)
+
+        return tf.cond(tf.equal(count % self.passes, 0), flush, wait, name="hora_apply")
 
 
 @dataclass
@@ -151,6 +170,17 @@ class HoraState:
 
     reducer: GradientReducer
     accumulator: GradientAccumulator | None
+    # What the last ``_compute_gradients`` returned, already averaged.
+    averaged: list[Any] = field(default_factory=list)
+
+    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        """``grads`` averaged across ranks, unless they are exactly what ``_compute_gradients``
+        returned (averaged already)."""
+        averaged, self.averaged = self.averaged, []
+        live = [g for g in grads if g is not None]
+        if live and all(any(g is a for a in averaged) for g in live):
+            return grads
+        return self.reducer.reduce(grads, variables)
 
 
 def _refuse_xla() -> None:
@@ -187,12 +217,12 @@ def _keras3_methods(base: type[Any]) -> dict[str, Any]:
         else:
             variables = list(trainable_variables)
         if state.accumulator is None:
-            return base_apply(self, state.reducer.reduce(grads, variables), trainable_variables)
+            return base_apply(self, state.reduce(grads, variables), trainable_variables)
         if not self.built:
             self.build(variables)
 
         def update(total: list[Any]) -> None:
-            base_apply(self, state.reducer.reduce(total, variables), variables)
+            base_apply(self, state.reduce(total, variables), variables)
 
         state.accumulator.step(grads, variables, update)
         return None
@@ -220,18 +250,50 @@ def _tf_keras_methods(base: type[Any]) -> dict[str, Any]:
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
         if state.accumulator is None:
-            reduced = state.reducer.reduce(grads, variables)
+            reduced = state.reduce(grads, variables)
             return base_apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
         _build_tf_keras(self, variables)
 
         def update(total: list[Any]) -> None:
-            reduced = state.reducer.reduce(total, variables)
+            reduced = state.reduce(total, variables)
             base_apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
 
-        state.accumulator.step(grads, variables, update)
+        # tf_keras counts every call in ``iterations``, as Horovod's wrapper did.
+        state.accumulator.step(grads, variables, update, lambda: self.iterations.assign_add(1))
         return self.iterations
 
     return {"apply_gradients": apply_gradients}
+
+
+def _compute_gradients(
+    self: Any, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None
+) -> list[tuple[Any, Any]]:
+    """The gradients of ``loss`` (a tensor recorded on ``tape``, or a callable) for
+    ``var_list``, as ``(gradient, variable)`` pairs, averaged across ranks.
+
+    With ``backward_passes_per_step`` they are this rank's own: the average is taken on the call
+    of ``apply_gradients`` that updates the weights.
+    """
+    variables = list(var_list() if callable(var_list) else var_list)
+    tape = tf.GradientTape() if tape is None else tape
+    if callable(loss):
+        with tape:
+            # Keras 3's variables are not tf.Variables; the tape records them when they are read.
+            tape.watch([v for v in variables if isinstance(v, tf.Variable)])
+            loss = loss()
+    grads = list(tape.gradient(loss, variables, grad_loss))
+    state: HoraState = self._hora
+    if state.accumulator is None:
+        _refuse_xla()
+        grads = state.reducer.reduce(grads, variables)
+        state.averaged = [g for g in grads if g is not None]
+    return list(zip(grads, variables))
+
+
+def _agg_helper(self: Any) -> GradientAccumulator | None:
+    """The gradient accumulator (``None`` without ``backward_passes_per_step``)."""
+    accumulator: GradientAccumulator | None = self._hora.accumulator
+    return accumulator
 
 
 def _register_local_var(self: Any, var: Any) -> None:
@@ -247,6 +309,8 @@ def distributed_class(base: type[Any], kind: str) -> type[Any]:
     """
     methods = _keras3_methods(base) if kind == KERAS3 else _tf_keras_methods(base)
     methods["register_local_var"] = _register_local_var
+    methods["_compute_gradients"] = _compute_gradients
+    methods["_agg_helper"] = property(_agg_helper)
     methods["__module__"] = base.__module__
     methods["__qualname__"] = base.__qualname__
     methods["__doc__"] = base.__doc__
