@@ -23,13 +23,31 @@ def relaunch(script: str, np: int, forwarded: list[str]) -> int:
     return subprocess.call(command)
 
 
+# The raw group's store, hosted by rank 0; it must outlive the group.
+_raw_store: list[Any] = []
+
+
 def init_raw_group(rank: int, size: int, prefix: str, timeout_s: float) -> None:
-    """torch.distributed's default group on Gloo, rendezvousing in the job's store under
-    ``prefix`` (hora's keys live under their own secret-derived namespace)."""
-    addr = os.environ["HORA_RENDEZVOUS_ADDR"]
-    port = int(os.environ["HORA_RENDEZVOUS_PORT"])
+    """torch.distributed's default group on Gloo, beside hora (call it after ``hvd.init()``).
+
+    The job's own store only speaks hora's authenticated protocol, so rank 0 hosts a plain
+    ``TCPStore`` for the raw group on a free port and sends its address to the others with
+    hora's ``broadcast_object``; the group's keys live under ``prefix``.
+    """
+    import socket
+
+    import hora.torch as hvd
+
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False)
+    store = None
+    if rank == 0:
+        addr = "127.0.0.1" if hvd.local_size() == size else socket.getfqdn()
+        store = dist.TCPStore(addr, 0, size, True, timeout, wait_for_workers=False)
+        where = (addr, store.port)
+    where = hvd.broadcast_object(where if rank == 0 else None, root_rank=0, name="raw-store")
+    if store is None:
+        store = dist.TCPStore(where[0], where[1], size, False, timeout)
+    _raw_store.append(store)
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore(prefix, store),
