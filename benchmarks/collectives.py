@@ -25,6 +25,15 @@ Calls are timed one by one, back to back, in blocks that start with a barrier; h
 blocks alternate (ABBA) so that changes in the machine's load hit both alike. A call's time is
 that of the slowest rank, and the table shows medians. Rank 0 prints the table; ``--json PATH``
 also writes every sample there.
+
+``--transport mpi`` measures hora's MPI data path instead: the script starts itself through
+``horarun --mpi`` (so ``mpirun``), and compares hora's allreduce bus bandwidth, 1 to 64 MiB,
+with mpi4py's own ``Allreduce`` on the same buffers (goal: hora >= 0.95x raw from 16 MiB up),
+and with torch.distributed's Gloo beside them (MPI vs Gloo on this machine)::
+
+    .venv/bin/python benchmarks/collectives.py --transport mpi [--np N] [--json results.json]
+
+``--transport nccl`` needs CUDA GPUs and hora's NCCL data path; without them it says so.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import itertools
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -84,6 +94,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
     parser.add_argument(
+        "--transport",
+        choices=("gloo", "mpi", "nccl"),
+        default="gloo",
+        help="the data path to measure against its own library (default: gloo)",
+    )
+    parser.add_argument(
         "--repeats",
         type=float,
         default=1.0,
@@ -95,9 +111,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def relaunch(args: argparse.Namespace) -> int:
     """Start this script on ``args.np`` workers through horarun and return its exit status."""
-    forwarded = ["--repeats", str(args.repeats)]
+    forwarded = ["--repeats", str(args.repeats), "--transport", args.transport]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
+    if args.transport == "mpi":
+        command = [sys.executable, "-m", "hora.runner.launch", "--mpi", "-np", str(args.np)]
+        return subprocess.call([*command, sys.executable, os.path.abspath(__file__), *forwarded])
     return harness.relaunch(__file__, args.np, forwarded)
 
 
@@ -459,6 +478,131 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+# ---------------------------------------------------------------- MPI
+
+
+def raw_mpi_allreduce(comm: Any, mpi: Any, tensor: torch.Tensor) -> Op:
+    """mpi4py's in-place ``Allreduce`` on the tensor's memory (no copy)."""
+    array = tensor.numpy()
+    return lambda: comm.Allreduce(mpi.IN_PLACE, array, mpi.SUM)
+
+
+def bench_mpi_bandwidth(timer: Comparison, factor: float, comm: Any, mpi: Any) -> list[Any]:
+    """One large float32 allreduce at a time: hora over MPI, raw mpi4py, and raw Gloo."""
+    size = comm.Get_size()
+    rows = []
+    for nbytes, base_reps in BANDWIDTH_REPS.items():
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
+        reps = scaled(base_reps, factor)
+        mpi_op = raw_mpi_allreduce(comm, mpi, tensor)
+        hora_times, mpi_times = timer.run(
+            hora_allreduce(tensor, f"bandwidth.{nbytes}"), mpi_op, reps, warmup=3, block=5
+        )
+        _, gloo_times = timer.run(mpi_op, raw_allreduce(tensor), reps, warmup=2, block=5)
+        bus_bytes = 2 * (size - 1) / size * nbytes
+        hora_s, mpi_s = statistics.median(hora_times), statistics.median(mpi_times)
+        gloo_s = statistics.median(gloo_times)
+        ratio = mpi_s / hora_s
+        goal_applies = nbytes >= 16 * MIB
+        rows.append(
+            {
+                "bytes": nbytes,
+                "hora_mpi_busbw_GBps": bus_bytes / hora_s / 1e9,
+                "raw_mpi_busbw_GBps": bus_bytes / mpi_s / 1e9,
+                "raw_gloo_busbw_GBps": bus_bytes / gloo_s / 1e9,
+                "ratio": ratio,
+                "mpi_vs_gloo": gloo_s / hora_s,
+                "goal": f"hora/raw MPI bus bandwidth >= {BANDWIDTH_GOAL}" if goal_applies else "",
+                "pass": ratio >= BANDWIDTH_GOAL or not goal_applies,
+                "hora_samples_s": hora_times,
+                "mpi_samples_s": mpi_times,
+                "gloo_samples_s": gloo_times,
+            }
+        )
+    return rows
+
+
+def format_mpi_table(results: dict[str, Any]) -> str:
+    header = ("allreduce busbw", "hora mpi", "raw mpi4py", "hora/raw", "goal", "raw gloo")
+    header += ("hora mpi/raw gloo",)
+    rows = []
+    for row in results["allreduce_bandwidth"]:
+        goal = f">= {BANDWIDTH_GOAL}x {harness.verdict(row['pass'])}" if row["goal"] else "-"
+        rows.append(
+            (
+                size_label(row["bytes"]),
+                f"{row['hora_mpi_busbw_GBps']:.2f} GB/s",
+                f"{row['raw_mpi_busbw_GBps']:.2f} GB/s",
+                f"{row['ratio']:.3f}x",
+                goal,
+                f"{row['raw_gloo_busbw_GBps']:.2f} GB/s",
+                f"{row['mpi_vs_gloo']:.2f}x",
+            )
+        )
+    title = (
+        f"hora {results['hora_version']} over MPI ({results['mpi_library']}) vs mpi4py "
+        f"{results['mpi4py_version']} and torch.distributed gloo (torch {results['torch_version']})"
+        f", {results['world_size']} ranks; medians, slowest rank"
+    )
+    notes = (
+        f"run time {results['elapsed_s']:.1f} s on {results['cpus']} CPUs; load average "
+        f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after"
+    )
+    return "\n".join([title, *harness.table(header, rows), notes])
+
+
+def mpi_worker(args: argparse.Namespace) -> None:
+    """hora over MPI against mpi4py and Gloo, in a job started by ``horarun --mpi``."""
+    import mpi4py
+    from mpi4py import MPI
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    hvd.init()
+    if not hvd.mpi_enabled():
+        raise SystemExit("--transport mpi: hora does not run over MPI here (HORA_CPU_OPERATIONS)")
+    rank, size = hvd.rank(), hvd.size()
+    comm = MPI.COMM_WORLD.Dup()
+    init_raw_group(rank, size)
+    check_results(size)
+    cycle_time_ms = Settings.from_env().cycle_time_ms
+    timer = Comparison(settle_s=max(0.05, 10 * cycle_time_ms / 1000))
+    results: dict[str, Any] = {
+        "hora_version": hora.__version__,
+        "torch_version": torch.__version__,
+        "mpi4py_version": mpi4py.__version__,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].split(",")[0].strip(),
+        "world_size": size,
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "allreduce_bandwidth": bench_mpi_bandwidth(timer, args.repeats, comm, MPI),
+    }
+    dist.barrier()
+    results["elapsed_s"] = time.perf_counter() - started
+    results["load_after"] = os.getloadavg()
+    if rank == 0:
+        print(format_mpi_table(results), flush=True)
+        if args.json:
+            harness.write_json(args.json, results)
+    dist.barrier()
+    comm.Free()
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
+def nccl_unavailable() -> str:
+    """Why ``--transport nccl`` cannot run here."""
+    if not torch.cuda.is_available():
+        return (
+            "--transport nccl needs CUDA GPUs, and this machine's PyTorch sees none "
+            f"(torch {torch.__version__}); run it on a GPU host, one worker per GPU."
+        )
+    return (
+        "--transport nccl: this hora has no NCCL data path yet (CUDA tensors are staged "
+        "through host memory); measure --transport gloo or --transport mpi."
+    )
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -501,9 +645,23 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     args = parse_args()
-    if "HORA_RANK" not in os.environ:
+    if args.transport == "nccl":
+        print(nccl_unavailable(), file=sys.stderr)
+        return 2
+    under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ
+    if args.transport == "mpi" and "HORA_RANK" in os.environ:
+        print(
+            "--transport mpi starts the job with mpirun itself: run "
+            "`python benchmarks/collectives.py --transport mpi` (not under horarun).",
+            file=sys.stderr,
+        )
+        return 2
+    if "HORA_RANK" not in os.environ and not under_mpirun:
         return relaunch(args)
-    worker(args)
+    if args.transport == "mpi":
+        mpi_worker(args)
+    else:
+        worker(args)
     return 0
 
 

@@ -196,6 +196,10 @@ def train_epoch(
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
+        # With HORA_METRICS set, adds samples/s and these values to the step's live metrics.
+        hvd.metrics.log_step(
+            batch_size=len(images), loss=loss.detach(), lr=optimizer.param_groups[0]["lr"]
+        )
         total += loss.detach()
         if show_progress:
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)

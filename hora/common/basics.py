@@ -13,15 +13,17 @@ import sys
 import threading
 from typing import Any
 
+from hora.common import metrics
 from hora.common.config import Settings, flag, lookup, start_timeout_s
 from hora.common.engine import Engine
 from hora.common.errors import NOT_INITIALIZED
 from hora.common.job import joining
 from hora.common.job import rounds as elastic
+from hora.common.job.launchers import mpi_identity
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, detect
-from hora.common.process_sets import ProcessSet
+from hora.common.process_sets import ProcessSet, mpi_comm_ranks
 from hora.common.timeline_writer import Timeline, merge, rank_path
 from hora.common.transport import Communicator, TransportError, prove_peers
 
@@ -45,6 +47,10 @@ class _State:
         self.exit_cause: str | None = None
         # The timeline path this process wrote last (rank 0 merges the ranks' files at exit).
         self.timeline_path: str | None = None
+        # The running job's MPI communicator (mpi4py) when it uses MPI, else ``None``.
+        self.mpi_comm: Any = None
+        # The library of the running job's data path: "gloo" or "mpi".
+        self.cpu_operations = ""
 
 
 _state = _State()
@@ -75,7 +81,19 @@ def _configure_logging(level: str) -> None:
     _configure_logging.done = True  # type: ignore[attr-defined]
 
 
-def _communicator_factory(topology: Topology, settings: Settings, store: StoreClient) -> Any:
+def _communicator_factory(
+    topology: Topology, settings: Settings, store: StoreClient, mpi_comm: Any = None
+) -> Any:
+    """Builds the communicators of the job's process sets and of its control plane.
+
+    With ``HORA_CPU_OPERATIONS=mpi`` every one of them is an MPI communicator of its own, made
+    from ``mpi_comm`` (the job's); otherwise a Gloo group built on the store. The negotiation
+    moves to MPI with the data: every rank is in the job's communicator anyway, its small
+    messages then take the MPI library's fastest path (shared memory, the fabric), and the job
+    opens no Gloo connections at all. Its own communicator keeps it apart from the data.
+    """
+    if settings.cpu_operations == "mpi":
+        return _mpi_factory(topology, settings, store, mpi_comm)
     from hora.common.transport.gloo import GlooCommunicator, make_device, raise_open_file_limit
 
     old, new = raise_open_file_limit()
@@ -97,11 +115,119 @@ def _communicator_factory(topology: Topology, settings: Settings, store: StoreCl
     return factory
 
 
+def _mpi_factory(topology: Topology, settings: Settings, store: StoreClient, job_comm: Any) -> Any:
+    """MPI communicators: a duplicate of the job's for a set of every rank (the control plane
+    and the global set), else a group of it made by the members alone.
+
+    The members of a smaller set learn each other's ranks through the store (the factory is
+    given only this process's place in the set), then call ``MPI_Comm_create_group``. Nothing is
+    proved with the job secret here, unlike over Gloo: MPI's connections are made by the MPI
+    library among the processes its launcher started, and no port of hora's is open to them.
+    """
+    from hora.common.transport.mpi import MPICommunicator, import_mpi
+
+    mpi = import_mpi()
+
+    def factory(scope: str, rank: int, size: int) -> Communicator:
+        members = None
+        if size != topology.size:
+            name = f"{scope}/mpi-member/"
+            store.set_signed(name + str(rank), str(topology.rank).encode())
+            try:
+                members = [int(store.get_signed(name + str(r))) for r in range(size)]
+            except RuntimeError as exc:
+                raise TransportError(f"the members of {scope} did not all arrive: {exc}") from exc
+        return MPICommunicator.of(job_comm, members, settings.gloo_timeout_s, mpi)
+
+    return factory
+
+
+def _mpi_job_comm(comm: Any, topology: Topology, settings: Settings) -> Any:
+    """The job's MPI communicator: ``comm`` (an mpi4py communicator, or world ranks), or
+    ``MPI_COMM_WORLD`` when MPI carries the data; ``None`` when MPI plays no part.
+
+    Raises:
+        ValueError: MPI is asked for but is not available, or ``comm`` does not fit the job.
+    """
+    if comm is None and settings.cpu_operations != "mpi":
+        return None
+    why = "hvd.init(comm=...)" if comm is not None else "HORA_CPU_OPERATIONS=mpi"
+    launched_by_mpi = mpi_identity(os.environ) is not None
+    if not launched_by_mpi and (topology.size > 1 or comm is not None):
+        raise ValueError(
+            f"{why} needs a job started by MPI's launcher, but {topology.source} started this "
+            f"one. Start it with `mpirun -np N python train.py` or `horarun --mpi -np N python "
+            "train.py`, or use Gloo (HORA_CPU_OPERATIONS=gloo, horarun --gloo)."
+        )
+    from hora.common.transport.mpi import import_mpi
+
+    try:
+        mpi = import_mpi()
+    except TransportError as exc:
+        raise ValueError(f"{why}: {exc}") from exc
+    world = mpi.COMM_WORLD
+    if launched_by_mpi and world.Get_size() != topology.size:
+        raise ValueError(
+            f"{why}: {topology.source} started {topology.size} processes, but mpi4py's "
+            f"MPI_COMM_WORLD has {world.Get_size()}: mpi4py is built for another MPI than the "
+            "one that launched the job. Install mpi4py for this MPI (pip install mpi4py builds "
+            "it against the mpicc on PATH), or set HORA_CPU_OPERATIONS=gloo."
+        )
+    if comm is None:
+        return world.Dup()
+    if hasattr(comm, "Get_group") and hasattr(comm, "Dup"):
+        return comm.Dup()
+    ranks = [int(r) for r in comm]
+    if world.Get_rank() not in ranks:
+        raise ValueError(
+            f"hvd.init(comm={ranks}): this process (MPI_COMM_WORLD rank {world.Get_rank()}) is "
+            "not one of the listed ranks; only they call hvd.init with this list."
+        )
+    group = world.Get_group().Incl(ranks)
+    made = world.Create_group(group)
+    group.Free()
+    return made
+
+
+def _sub_job(topology: Topology, job_comm: Any) -> Topology:
+    """The topology of a job that is ``job_comm``'s processes, a part of the MPI job: ranks
+    are the communicator's; local ranks come from the exchange of host names; the store is
+    hosted by its rank 0 and handed out over it (joining with mpi4py)."""
+    from dataclasses import replace
+
+    launch = topology.launch
+    if launch is None or not launch.plan.mpi4py:
+        raise ValueError(
+            "hvd.init(comm=...) hands out the job's store over that communicator with mpi4py: "
+            "unset HORA_MPI4PY=0 and start the job with mpirun/mpiexec."
+        )
+    rank, size = job_comm.Get_rank(), job_comm.Get_size()
+    if size == topology.size:
+        return topology
+    plan = replace(launch.plan, host=rank == 0, port=0, job_id=f"{launch.plan.job_id}/comm")
+    # Every process of the MPI job on this host: so is every process of this part of it.
+    all_local = launch.local_size is not None and launch.local_size == launch.size
+    reading = replace(
+        launch,
+        rank=rank,
+        size=size,
+        local_rank=None,
+        local_size=size if all_local else None,
+        cross_rank=None,
+        cross_size=None,
+        plan=plan,
+    )
+    return replace(topology, rank=rank, size=size, launch=reading)
+
+
 def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
     """Start hora in this process: join the job's other processes and start the engine.
 
     Args:
-        comm: accepted for Horovod compatibility; must be ``None`` (the whole job).
+        comm: the processes of the job, as an mpi4py communicator or a list of
+            ``MPI_COMM_WORLD`` ranks (only they call ``init``); ``None``: every process the
+            launcher started. Needs a job started by ``mpirun``/``mpiexec`` and mpi4py; ranks
+            are then the communicator's. Data moves over MPI when ``HORA_CPU_OPERATIONS=mpi``.
         process_sets: ``ProcessSet`` objects to register on every rank (all ranks pass the same
             list), or ``"dynamic"`` to allow ``add_process_set`` later.
 
@@ -121,56 +247,78 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             # The engine stopped on its own (the job was shut down after a failure, a stall or
             # a deadlock): release it, then start again, as after hvd.shutdown().
             _stop_engine(None)
-        if comm is not None:
-            raise ValueError(
-                "hvd.init(comm=...) is not supported by hora: every process of the job takes "
-                "part. Use process sets (hvd.ProcessSet) to run collectives on a subset of ranks."
-            )
         dynamic = process_sets == "dynamic"
         sets: list[ProcessSet] = [] if dynamic or process_sets is None else list(process_sets)  # type: ignore[arg-type]
         settings = Settings.from_env()
         if dynamic:
             settings = _replace(settings, dynamic_process_sets=True)
-        topology, store, generation = _join_job(settings)
+        topology, store, generation, mpi_comm = _join_job(settings, comm)
+        _state.mpi_comm = mpi_comm
+        _state.cpu_operations = settings.cpu_operations
+        sets = _translate_mpi_sets(sets, mpi_comm)
+        registered, positions = _registered_lists(sets, topology.size, mpi_comm)
         # From here log lines name this rank (in an elastic job it changes from round to round).
         _state.topology = topology
         engine = Engine(
             topology,
             settings,
             store,
-            _communicator_factory(topology, settings, store),
+            _communicator_factory(
+                topology, settings, store, mpi_comm.Dup() if mpi_comm is not None else None
+            ),
             generation=generation,
-            process_sets=_member_lists(sets, topology.size),
+            process_sets=registered,
         )
         path = lookup("TIMELINE")
         if path:
             _open_timeline(engine, path, flag("TIMELINE_MARK_CYCLES"))
+        metrics.attach(engine.counters, topology.rank, topology.local_rank)
         _state.generation += 1
         _state.engine_generation = generation
         engine.start()
         _state.engine = engine
         _state.topology = topology
         _state.store = store
-        _bind_process_sets(sets, topology)
+        _bind_process_sets(sets, topology, positions)
         _install_exit_hooks()
         logger.debug("initialized: %s", topology)
 
 
-def _join_job(settings: Settings) -> tuple[Topology, StoreClient, int]:
-    """Where this process runs, the job's store, and the generation of its keys."""
+def _join_job(settings: Settings, comm: Any) -> tuple[Topology, StoreClient, int, Any]:
+    """Where this process runs, the job's store, the generation of its keys, and the job's MPI
+    communicator (``None`` when MPI plays no part)."""
     if elastic.active():
+        if comm is not None or settings.cpu_operations == "mpi":
+            raise ValueError(
+                "an elastic job runs over Gloo: MPI cannot add or remove processes of a running "
+                "job. Drop hvd.init(comm=...) and HORA_CPU_OPERATIONS=mpi."
+            )
         # An elastic horarun: the driver assigns ranks round by round, and each round
         # keeps its keys under its own prefix, so every round's scopes start at 0.
         _configure_logging(settings.log_level)
         topology, store = elastic.join()
-        return topology, store, 0
+        return topology, store, 0, None
     topology = detect()
     _configure_logging(settings.log_level)
+    mpi_comm = _mpi_job_comm(comm, topology, settings)
+    if comm is not None:
+        topology = _sub_job(topology, mpi_comm)
     # Under horarun the store is the launcher's; under other launchers rank 0 (or the
     # launcher) hosts it and local/cross ranks may still need an exchange.
     generation = _state.generation
-    topology, store = joining.join(topology, start_timeout_s(), generation)
-    return topology, store, generation
+    topology, store = joining.join(
+        topology, start_timeout_s(), generation, mpi_comm if comm is not None else None
+    )
+    return topology, store, generation, mpi_comm
+
+
+def _translate_mpi_sets(sets: list[ProcessSet], job_comm: Any) -> list[ProcessSet]:
+    """Process sets made from mpi4py communicators get the ranks they have in ``job_comm``."""
+    if job_comm is not None:
+        for process_set in sets:
+            if isinstance(process_set, ProcessSet) and process_set.mpi_comm is not None:
+                process_set.ranks = mpi_comm_ranks(process_set.mpi_comm, job_comm)
+    return sets
 
 
 def _member_lists(sets: list[ProcessSet], size: int) -> list[tuple[int, ...]]:
@@ -194,12 +342,14 @@ def _member_lists(sets: list[ProcessSet], size: int) -> list[tuple[int, ...]]:
     return member_lists
 
 
-def _bind_process_sets(sets: list[ProcessSet], topology: Topology) -> None:
-    """Give the global set and the sets passed to ``init`` their ids (in order, from 1)."""
+def _bind_process_sets(sets: list[ProcessSet], topology: Topology, positions: list[int]) -> None:
+    """Give the global set and the sets passed to ``init`` their ids: 1 + their ``positions``
+    among the registered lists."""
     global_process_set.ranks = list(range(topology.size))
     global_process_set._bind(0, topology.rank)
     _state.process_sets = {0: global_process_set}
-    for set_id, process_set in enumerate(sets, start=1):
+    for position, process_set in zip(positions, sets):
+        set_id = position + 1
         process_set._bind(set_id, topology.rank)
         _state.process_sets[set_id] = process_set
 
@@ -328,6 +478,7 @@ def _stop_engine(reason: str | None) -> None:
     """Stop and release the engine (the caller holds ``_state.lock``)."""
     engine = _state.engine
     if engine is not None:
+        metrics.detach()
         engine.shutdown(reason)
         _finish_timeline(engine, _state.store)
         launched_elsewhere = _state.topology is not None and _state.topology.launch is not None
@@ -335,6 +486,8 @@ def _stop_engine(reason: str | None) -> None:
             # A rank may host the store (srun, mpirun): it waits at exit for this.
             joining.detach(_state.store, engine.rank, _state.engine_generation)
         _state.engine = None
+        _state.mpi_comm = None
+        _state.cpu_operations = ""
         for process_set in _state.process_sets.values():
             if process_set is not global_process_set:
                 process_set._unbind()
@@ -414,6 +567,7 @@ def register_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
     """
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
+    _translate_mpi_sets([process_set], _state.mpi_comm)
     current = engine()
     if not current.settings.dynamic_process_sets:
         raise ValueError(
@@ -427,10 +581,43 @@ def register_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
     bad = [r for r in ranks if r >= current.size]
     if bad:
         raise ValueError(f"{process_set} names ranks {bad} outside 0..{current.size - 1}.")
+    if process_set.mpi_comm is not None and _state.mpi_comm is not None:
+        # Each rank may pass its own part of a split communicator: every part is added, in
+        # the same order on every rank (those already registered are left as they are).
+        for other in _distinct(_state.mpi_comm.allgather([ranks])):
+            if other != ranks and current.process_sets.find(other) is None:
+                current.register_process_set(other).wait()
     set_id = current.register_process_set(ranks).wait()[0]
     process_set._bind(set_id, current.rank)
     _state.process_sets[set_id] = process_set
     return process_set
+
+
+def _distinct(gathered: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    """Every member list of every rank's lists, once each, in rank order."""
+    found: list[tuple[int, ...]] = []
+    for lists in gathered:
+        for ranks in lists:
+            if tuple(ranks) not in found:
+                found.append(tuple(ranks))
+    return found
+
+
+def _registered_lists(
+    sets: list[ProcessSet], size: int, job_comm: Any
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The member lists every rank registers at ``init``, and where each of ``sets`` is
+    among them.
+
+    A set made from an mpi4py communicator may differ from rank to rank (each rank passes its
+    own part of a ``Split``, as Horovod allows): the ranks gather each other's lists so that
+    every rank registers all of them, with the same ids.
+    """
+    lists = _member_lists(sets, size)
+    if job_comm is None or not any(s.mpi_comm is not None for s in sets):
+        return lists, list(range(len(lists)))
+    registered = _distinct(job_comm.allgather(lists))
+    return registered, [registered.index(ranks) for ranks in lists]
 
 
 def unregister_process_set(process_set: ProcessSet) -> bool:
@@ -464,21 +651,39 @@ def gloo_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """Whether the running job moves data over Gloo (always, once initialized)."""
-    return is_initialized() and gloo_built()
+    """Whether the running job moves data over Gloo (``HORA_CPU_OPERATIONS=gloo``, the
+    default)."""
+    return is_initialized() and _state.cpu_operations == "gloo" and gloo_built()
 
 
 def mpi_built() -> bool:
-    """hora has no MPI transport yet."""
-    return False
+    """Whether hora can use MPI: mpi4py imports and its MPI library loads (MPI is not
+    initialized by asking)."""
+    from hora.common.transport.mpi import mpi_loadable
+
+    return mpi_loadable()
 
 
 def mpi_enabled() -> bool:
-    return False
+    """Whether the running job moves data over MPI (``HORA_CPU_OPERATIONS=mpi``)."""
+    return is_initialized() and _state.cpu_operations == "mpi"
 
 
 def mpi_threads_supported() -> bool:
-    raise ValueError("MPI is not enabled in hora; jobs use the Gloo transport.")
+    """Whether the job's MPI library runs with ``MPI_THREAD_MULTIPLE``.
+
+    Raises:
+        ValueError: the running job does not use MPI (not initialized, or over Gloo).
+    """
+    if _state.mpi_comm is None or not is_initialized():
+        raise ValueError(
+            "MPI is not enabled: initialize hora in a job started by mpirun with "
+            "HORA_CPU_OPERATIONS=mpi (or horarun --mpi), or with hvd.init(comm=...)."
+        )
+    from hora.common.transport.mpi import import_mpi
+
+    mpi = import_mpi()
+    return bool(mpi.Query_thread() == mpi.THREAD_MULTIPLE)
 
 
 def nccl_built() -> int:

@@ -98,6 +98,8 @@ class Settings:
         autotune_log: where rank 0 logs the autotune trials (CSV), or ``None``.
         autotune_warmup_samples: steps after each autotune change that are not measured.
         autotune_steps_per_sample: measured steps per autotune candidate.
+        cpu_operations: the library of the data path and the negotiation, ``gloo`` or ``mpi``.
+        enable_nvtx: mark the engine's phases as NVTX ranges (a no-op without CUDA).
     """
 
     fusion_threshold_bytes: int = table.FUSION_THRESHOLD.default
@@ -116,6 +118,8 @@ class Settings:
     autotune_log: str | None = table.AUTOTUNE_LOG.default
     autotune_warmup_samples: int = table.AUTOTUNE_WARMUP_SAMPLES.default
     autotune_steps_per_sample: int = table.AUTOTUNE_STEPS_PER_SAMPLE.default
+    cpu_operations: str = table.CPU_OPERATIONS.default
+    enable_nvtx: bool = table.ENABLE_NVTX.default
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -146,6 +150,8 @@ class Settings:
             autotune_log=read(table.AUTOTUNE_LOG, env),
             autotune_warmup_samples=read(table.AUTOTUNE_WARMUP_SAMPLES, env),
             autotune_steps_per_sample=read(table.AUTOTUNE_STEPS_PER_SAMPLE, env),
+            cpu_operations=read(table.CPU_OPERATIONS, env).lower(),
+            enable_nvtx=read(table.ENABLE_NVTX, env),
         )
         settings.validate()
         return settings
@@ -178,6 +184,8 @@ SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
     "autotune_log": table.AUTOTUNE_LOG,
     "autotune_warmup_samples": table.AUTOTUNE_WARMUP_SAMPLES,
     "autotune_steps_per_sample": table.AUTOTUNE_STEPS_PER_SAMPLE,
+    "cpu_operations": table.CPU_OPERATIONS,
+    "enable_nvtx": table.ENABLE_NVTX,
 }
 
 

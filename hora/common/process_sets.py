@@ -28,7 +28,7 @@ class ProcessSet:
         if hasattr(ranks, "Get_rank") and hasattr(ranks, "Get_group"):
             # An mpi4py communicator: its members are the global ranks it contains.
             self.mpi_comm = ranks
-            ranks = _mpi_comm_ranks(ranks)
+            ranks = mpi_comm_ranks(ranks)
         members = [int(r) for r in ranks]
         if len(set(members)) != len(members):
             raise ValueError(f"ProcessSet ranks must be distinct, got {members}.")
@@ -83,14 +83,24 @@ class ProcessSet:
         return hash((tuple(self.ranks), self.process_set_id))
 
 
-def _mpi_comm_ranks(comm: Any) -> list[int]:
+def mpi_comm_ranks(comm: Any, reference: Any = None) -> list[int]:
+    """The ranks that the processes of the mpi4py communicator ``comm`` have in ``reference``
+    (the job's communicator; ``MPI_COMM_WORLD`` when ``None``).
+
+    Raises:
+        ValueError: a process of ``comm`` is not in ``reference``.
+    """
     from mpi4py import MPI
 
-    world_group = MPI.COMM_WORLD.Get_group()
+    reference_group = (reference if reference is not None else MPI.COMM_WORLD).Get_group()
     group = comm.Get_group()
-    return [
-        int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)
-    ]
+    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), reference_group)
+    if any(r == MPI.UNDEFINED for r in ranks):
+        raise ValueError(
+            "a process set's MPI communicator holds processes outside the job's communicator "
+            "(the one given to hvd.init(comm=...))."
+        )
+    return sorted(int(r) for r in ranks)
 
 
 class ProcessSetTable:

@@ -215,6 +215,24 @@ TIMELINE = Variable(
 TIMELINE_MARK_CYCLES = Variable(
     "TIMELINE_MARK_CYCLES", BOOLEAN, False, "`1` marks every negotiation cycle in the timeline."
 )
+METRICS = Variable(
+    "METRICS", OPTIONAL_TEXT, None,
+    "Publish live metrics per rank and step: `tensorboard:DIR` (event files in `DIR/rank<r>`) "
+    "and/or `prometheus:PORT` (rank r serves `PORT` + its local rank), separated by a comma. "
+    "Needs `pip install 'hora[metrics]'`. See "
+    "[docs/profiling.md](profiling.md#live-metrics-tensorboard-and-prometheus).",
+    horovod=False,
+)  # fmt: skip
+METRICS_RANKS = Variable(
+    "METRICS_RANKS", TEXT, "all",
+    "Which ranks publish live metrics: `all`, or a list such as `0` or `0,4`.",
+    horovod=False,
+)  # fmt: skip
+METRICS_ADDR = Variable(
+    "METRICS_ADDR", TEXT, "127.0.0.1",
+    "The address the Prometheus endpoints of `HORA_METRICS` bind (`0.0.0.0`: every interface).",
+    horovod=False,
+)  # fmt: skip
 AUTOTUNE = Variable(
     "AUTOTUNE", BOOLEAN, False,
     "`1` tries batch sizes for the steady state online and keeps the fastest; see "
@@ -252,6 +270,19 @@ LOG_LEVEL = Variable(
 LOG_HIDE_TIME = Variable(
     "LOG_HIDE_TIME", BOOLEAN, False, "`1` leaves the timestamp out of hora's log lines."
 )
+CPU_OPERATIONS = Variable(
+    "CPU_OPERATIONS", TEXT, "gloo",
+    "Which library moves the data of collectives on CPU tensors, and the negotiation between "
+    "ranks: `gloo`, or `mpi` (mpi4py, for jobs started by `mpirun`/`mpiexec` or `horarun "
+    "--mpi`). See [docs/deployment.md](deployment.md#choosing-a-data-path).",
+    choices=("gloo", "mpi"),
+)  # fmt: skip
+ENABLE_NVTX = Variable(
+    "ENABLE_NVTX", BOOLEAN, False,
+    "`1` marks hora's phases (negotiation, fusion copies, each collective) as NVTX ranges, which "
+    "`nsys profile` shows next to your own. Without CUDA it does nothing. See "
+    "[docs/profiling.md](profiling.md#nsys).",
+)  # fmt: skip
 GLOO_IFACE = Variable(
     "GLOO_IFACE", OPTIONAL_TEXT, None,
     "Network interface for Gloo's connections, e.g. `eth1`. When unset and every rank runs on "
@@ -414,6 +445,9 @@ VARIABLES: tuple[Variable[Any], ...] = (
     DYNAMIC_PROCESS_SETS,
     TIMELINE,
     TIMELINE_MARK_CYCLES,
+    METRICS,
+    METRICS_RANKS,
+    METRICS_ADDR,
     AUTOTUNE,
     AUTOTUNE_LOG,
     AUTOTUNE_WARMUP_SAMPLES,
@@ -422,6 +456,8 @@ VARIABLES: tuple[Variable[Any], ...] = (
     DISABLE_GROUP_FUSION,
     LOG_LEVEL,
     LOG_HIDE_TIME,
+    CPU_OPERATIONS,
+    ENABLE_NVTX,
     GLOO_IFACE,
     START_TIMEOUT,
     LAUNCHER_TIMEOUT_SECONDS,

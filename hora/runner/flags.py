@@ -53,6 +53,18 @@ def absolute_path(value: Any) -> str:
     return os.path.abspath(str(value))
 
 
+def metrics_spec(value: Any) -> str:
+    """``HORA_METRICS``'s text with each ``tensorboard:DIR`` made absolute (workers may start
+    elsewhere); anything else as given (the workers check it)."""
+    items = []
+    for item in str(value).split(","):
+        kind, _, target = item.partition(":")
+        if kind.strip().lower() == "tensorboard" and target.strip():
+            item = f"tensorboard:{os.path.abspath(target.strip())}"
+        items.append(item)
+    return ",".join(items)
+
+
 def one_if_true(value: Any) -> str:
     return "1" if value else "0"
 
@@ -78,6 +90,7 @@ GROUPS = (
     Group("autotune", "autotune (see docs/profiling.md)"),
     Group("elastic", "elastic (on with --min-np, --max-np or --host-discovery-script)"),
     Group("timeline", "timeline"),
+    Group("metrics", "live metrics (see docs/profiling.md)"),
     Group("stall", "stall check"),
     Group("library", "library options"),
     Group("logging", "logging"),
@@ -357,6 +370,21 @@ OPTIONS: tuple[Option, ...] = (
             config_key="timeline.mark_cycles", variable=var.TIMELINE_MARK_CYCLES,
             encode=one_if_true, help="mark every negotiation cycle in the timeline",
             doc_table="engine"),
+    # ------------------------------------------------------------------ live metrics
+    Option(("--metrics",), "metrics", "metrics", "text", metavar="SPEC",
+           config_key="metrics.spec", variable=var.METRICS, encode=metrics_spec, hora=True,
+           help="publish live metrics per rank and step: tensorboard:DIR and/or "
+           "prometheus:PORT, comma-separated; see docs/profiling.md",
+           env_doc="(directories made absolute); see "
+           "[profiling.md](profiling.md#live-metrics-tensorboard-and-prometheus)",
+           doc_table="engine"),
+    Option(("--metrics-ranks",), "metrics_ranks", "metrics", "text", metavar="RANKS",
+           config_key="metrics.ranks", variable=var.METRICS_RANKS, hora=True,
+           help="which ranks publish live metrics: all, or a list such as 0 or 0,4",
+           doc_table="engine"),
+    Option(("--metrics-addr",), "metrics_addr", "metrics", "text", metavar="ADDR",
+           config_key="metrics.addr", variable=var.METRICS_ADDR, hora=True,
+           help="the address Prometheus endpoints bind", doc_table="engine"),
     # ------------------------------------------------------------------ stall check
     _switch("--no-stall-check", dest="stall_check", stores=False, opposite=("--stall-check",),
             group="stall", config_key="stall_check.enabled", variable=var.STALL_CHECK_DISABLE,
@@ -371,10 +399,14 @@ OPTIONS: tuple[Option, ...] = (
            help="end the job after a stall this long (0 waits forever)", doc_table="engine"),
     # ------------------------------------------------------------------ library options
     _switch("--mpi-threads-disable", opposite=("--no-mpi-threads-disable",), group="library",
-            config_key="library_options.mpi_threads_disable", inert="hora does not use MPI.",
-            doc_table="inert"),
+            config_key="library_options.mpi_threads_disable",
+            inert="hora's MPI transport needs MPI_THREAD_MULTIPLE (each communicator calls MPI "
+            "from its own thread).", doc_table="inert"),
     Option(("--mpi-args",), "mpi_args", "library", "text", metavar="ARGS",
-           inert="hora does not run mpirun.", doc_table="inert"),
+           help="extra arguments for mpirun (with --mpi)",
+           doc="With `--mpi`: extra arguments for `mpirun`, as one string (`--mpi-args=\"--mca "
+           "btl_tcp_if_include eth0\"`). Without `--mpi` it has no effect.",
+           doc_table="general"),
     _switch("--tcp", group="library", sets=(("NCCL_IB_DISABLE", "1"),),
             help="turn InfiniBand off for any NCCL your script uses",
             inert="hora's own traffic is TCP already; NCCL_IB_DISABLE=1 is set for any NCCL "
@@ -382,7 +414,10 @@ OPTIONS: tuple[Option, ...] = (
             env_doc=", as `horovodrun` sets it. hora's own traffic is TCP already.",
             doc_table="engine"),
     Option(("--binding-args",), "binding_args", "library", "text", metavar="ARGS",
-           inert="hora does not run mpirun.", doc_table="inert"),
+           help="mpirun's process binding arguments (with --mpi; default: --bind-to none)",
+           doc="With `--mpi`: `mpirun`'s binding arguments in place of Open MPI's `--bind-to "
+           "none`, which `horarun` passes so that PyTorch's threads may use every core. Without "
+           "`--mpi` it has no effect.", doc_table="general"),
     Option(("--num-nccl-streams",), "num_nccl_streams", "library", "int", metavar="N",
            config_key="library_options.num_nccl_streams", bounds=NON_NEGATIVE,
            inert="hora does not use NCCL.", doc_table="inert"),
@@ -423,12 +458,18 @@ OPTIONS: tuple[Option, ...] = (
            "per line; run every second", elastic_default="hosts from `-H`/`--hostfile`"),
     # ------------------------------------------------------------------ controller
     _switch("--gloo", group="controller", config_key="controller: gloo",
-            help="use Gloo (default)", inert="Gloo is hora's only controller.",
-            doc_table="inert"),
+            variable=var.CPU_OPERATIONS, encode=lambda _on: "gloo",
+            help="start the workers with horarun; they negotiate and move CPU data over Gloo "
+            "(default)",
+            doc="`horarun` starts the workers itself (over SSH on other hosts); they negotiate "
+            "and move the data of CPU tensors over Gloo. The default.", doc_table="general"),
     _switch("--mpi", group="controller", config_key="controller: mpi",
-            refused="--mpi (or controller: mpi) is not available: hora's workers talk over Gloo "
-            "and horarun starts them itself (over SSH for other hosts). Drop --mpi.",
-            doc_table="refused"),
+            variable=var.CPU_OPERATIONS, encode=lambda _on: "mpi",
+            help="start the job with mpirun; the workers negotiate and move CPU data over MPI",
+            doc="Start the job through `mpirun` (Open MPI's or MPICH's, the first on `PATH`): "
+            "`horarun` runs one `mpirun` command built from its flags and waits for it. The "
+            "workers negotiate and move the data of CPU tensors over MPI (mpi4py). Needs mpi4py "
+            "built for that MPI; not for elastic jobs. See [MPI](#mpi).", doc_table="general"),
     _switch("--jsrun", group="controller",
             refused="--jsrun is not available: hora does not launch through LSF's jsrun.",
             doc_table="refused"),

@@ -95,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for note in options.notes(args):
         say(note)
+    if args.mpi:
+        from hora.runner import mpi_launch
+
+        return mpi_launch.run(args, say)
     plan = _plan(args, say)
     if isinstance(plan, int):
         return plan

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hora.common import metrics
 from hora.common.basics import (
     ccl_built,
     cross_rank,
@@ -309,4 +310,5 @@ __all__ = [
     "size_op",
     "start_timeline",
     "stop_timeline",
+    "metrics",
 ]

@@ -1,11 +1,11 @@
 """What this installation can do: ``horarun --check-build`` and ``hora doctor``.
 
 ``check_build_text`` prints Horovod's ``--check-build`` table. A box is ticked when hora can use
-that framework or transport here: the library is present *and* hora has a path through it. Today
-hora's only transport is Gloo (through ``torch.distributed``); NCCL and MPI are detected and shown
-by ``hora doctor``, with why hora does not use them. ``doctor`` adds versions, those details, and a
-two-process allreduce on this machine through ``hora.run``. Nothing here starts a job of its own
-beyond that check.
+that framework or transport here: the library is present *and* hora has a path through it. hora's
+transports are Gloo (through ``torch.distributed``) and MPI (through mpi4py, when it loads); NCCL
+is detected and shown by ``hora doctor``, with why hora does not use it. ``doctor`` adds versions,
+those details, and a two-process allreduce on this machine through ``hora.run``. Nothing here
+starts a job of its own beyond that check.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _mpi() -> Capability:
     library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
     found = f"mpi4py {mpi4py.__version__} ({library})"
     if not mpi_built():
-        return Capability("MPI", False, f"{found}, but this hora has no MPI transport yet")
+        return Capability("MPI", False, f"{found}, but its MPI library does not answer")
     return Capability("MPI", True, found)
 
 

@@ -8,6 +8,7 @@ Example:
 
 from typing import Any
 
+from hora.common import metrics
 from hora.common.basics import (
     ccl_built,
     cross_rank,
@@ -165,6 +166,7 @@ __all__ = [
     "is_initialized",
     "start_timeline",
     "stop_timeline",
+    "metrics",
     "join",
     "local_rank",
     "local_size",

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hora.common import basics, submission
+from hora.common import basics, metrics, submission
 from hora.common.engine import owns_its_memory
 from hora.common.errors import HoraInternalError
 from hora.common.message import ReduceOp, RequestType
@@ -261,6 +261,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if timeline is not None:
             now = timeline.now()
             self._backward_span = (self._backward_span[0] or now, now)
+        publisher = metrics.current
+        if publisher is not None:
+            publisher.gradient_ready()
         # Runs for every gradient of every step, on backward's critical path: few lookups.
         handles = self._handles
         pending = handles.get(p)
@@ -571,6 +574,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
             # Every finished step reaches the file, even if the process is killed next.
             timeline.flush()
+        publisher = metrics.current
+        if publisher is not None:
+            publisher.optimizer_stepped()
         return result
 
     zero_grad = _guarded_zero_grad
@@ -689,6 +695,9 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 p.add_(delta.to(p.dtype))
                 self._delay[p] = self.backward_passes_per_step
         self._handles.clear()
+        publisher = metrics.current
+        if publisher is not None:
+            publisher.optimizer_stepped()
         return loss
 
     zero_grad = _guarded_zero_grad

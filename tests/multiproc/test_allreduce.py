@@ -162,13 +162,15 @@ def _allreduce_worker(cases: list[Case]) -> dict[str, Any]:
 
 @pytest.fixture(
     scope="module",
-    params=[(2, True), (3, True), (2, False), (3, False)],
-    ids=lambda p: f"np{p[0]}" + ("" if p[1] else "-collective"),
+    params=[(2, True, False), (3, True, False), (2, False, False), (3, False, False)]
+    + [(2, False, True), (3, False, True)],
+    ids=lambda p: f"np{p[0]}" + ("" if p[1] else "-collective") + ("-mpi" if p[2] else ""),
 )
 def job(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    np, carry = request.param
+    # The MPI variants reduce every case with MPI's (and hora's half-float) reductions.
+    np, carry, mpi = request.param
     env = None if carry else {"HORA_CARRY_THRESHOLD": "0"}
-    ranks = run_job(_allreduce_worker, np, MATRIX + SCALED, env=env)
+    ranks = run_job(_allreduce_worker, np, MATRIX + SCALED, env=env, mpi=mpi)
     carried = {observed["carried"] for observed in ranks}
     assert len(carried) == 1, f"ranks counted different carried allreduces: {carried}"
     if carry:

@@ -136,10 +136,14 @@ def _collectives_worker() -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, False), (3, False), (2, True), (3, True)],
+    ids=lambda p: f"np{p[0]}" + ("-mpi" if p[1] else ""),
+)
 def job(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    np = request.param
-    return np, run_job(_collectives_worker, np)
+    np, mpi = request.param
+    return np, run_job(_collectives_worker, np, mpi=mpi)
 
 
 def _gathered(np: int, name: str, rows: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:

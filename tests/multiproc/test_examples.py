@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from .jobs import mpi_env, mpirun_command
+
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "examples" / "pytorch_digits.py")
 BENCHMARK = str(ROOT / "examples" / "pytorch_synthetic_benchmark.py")
@@ -77,6 +79,25 @@ def test_digits_resume_continues_after_the_checkpoint(
     assert straight[1] == _epoch_losses(first)[1]
     assert {e: straight[e] for e in range(2, 11)} == _epoch_losses(resumed), (full_run, resumed)
     assert FINAL.findall(resumed) == FINAL.findall(full_run[0])
+
+
+# Open MPI's tags on rank 0's lines: ``[jobid,0]<stdout>: text``.
+MPI_RANK0 = re.compile(r"^\[\d+,0\]<stdout>: ?(.*)$", re.MULTILINE)
+
+
+@pytest.mark.timeout(180)
+def test_digits_over_mpi_trains_exactly_as_over_gloo(full_run: tuple[str, Path]) -> None:
+    # horarun --mpi starts the job with the venv's Open MPI mpirun, and the workers reduce
+    # over MPI. With two ranks every sum is a + b in either library, so the losses printed
+    # (and the accuracy) must be those of the Gloo run.
+    mpirun_command(2)  # skips without mpi4py or the venv's Open MPI
+    command = [*HORARUN, "--mpi", "-np", "2", sys.executable, DIGITS, "--no-progress"]
+    env = {k: v for k, v in mpi_env().items() if k != "HORA_CPU_OPERATIONS"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=160, cwd=ROOT, env=env)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    rank0 = "\n".join(f"[0]<stdout>:{line}" for line in MPI_RANK0.findall(result.stdout))
+    assert _epoch_losses(rank0) == _epoch_losses(full_run[0]), (rank0, full_run[0])
+    assert FINAL.findall(rank0) == FINAL.findall(full_run[0])
 
 
 @pytest.mark.timeout(60)

@@ -341,7 +341,7 @@ def test_config_file_and_flags_reach_the_workers(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mpi"], "--mpi (or controller: mpi) is not available"),
+        (["--mpi", "--min-np", "1"], "--mpi cannot run an elastic job"),
         (["--min-np", "3"], "-np 2 is less than --min-np 3"),
         (["--fusion-threshold-mb", "-4"], "fusion_threshold_mb=-4 must be >= 0"),
         (["--hostfile", "/nonexistent/hosts"], "cannot read hostfile"),

@@ -137,9 +137,14 @@ def _equivalence_worker() -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, False), (3, False), (2, True), (3, True)],
+    ids=lambda p: f"np{p[0]}" + ("-mpi" if p[1] else ""),
+)
 def equivalence(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return run_job(_equivalence_worker, request.param, timeout_s=150)
+    np, mpi = request.param
+    return run_job(_equivalence_worker, np, timeout_s=150, mpi=mpi)
 
 
 @pytest.mark.timeout(180)

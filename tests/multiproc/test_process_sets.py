@@ -108,10 +108,15 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, False), (3, False), (2, True), (3, True)],
+    ids=lambda p: f"np{p[0]}" + ("-mpi" if p[1] else ""),
+)
 def job(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    np = request.param
-    return np, run_job(_process_sets_worker, np, np, env={"HORA_DYNAMIC_PROCESS_SETS": "1"})
+    np, mpi = request.param
+    env = {"HORA_DYNAMIC_PROCESS_SETS": "1"}
+    return np, run_job(_process_sets_worker, np, np, env=env, mpi=mpi)
 
 
 def _check_set_ops(

@@ -90,3 +90,24 @@ def test_single_process_without_any_launcher() -> None:
     from hora.common.job.topology import detect
 
     assert detect({"SLURM_NTASKS": "4"}).size == 1  # an allocation, not an srun step
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, ("gloo", False)),
+        ({"HORA_CPU_OPERATIONS": "mpi", "HORA_ENABLE_NVTX": "1"}, ("mpi", True)),
+        ({"HOROVOD_CPU_OPERATIONS": "MPI", "HOROVOD_ENABLE_NVTX": "1"}, ("mpi", True)),
+        ({"HORA_CPU_OPERATIONS": "gloo", "HOROVOD_CPU_OPERATIONS": "mpi"}, ("gloo", False)),
+    ],
+)
+def test_the_data_path_and_nvtx_settings(env: dict[str, str], expected: tuple[str, bool]) -> None:
+    settings = Settings.from_env(env)
+    assert (settings.cpu_operations, settings.enable_nvtx) == expected
+
+
+def test_an_unknown_data_path_is_refused_by_name() -> None:
+    with pytest.raises(
+        SettingError, match="HORA_CPU_OPERATIONS must be one of gloo, mpi; got 'ccl'"
+    ):
+        Settings.from_env({"HOROVOD_CPU_OPERATIONS": "ccl"})

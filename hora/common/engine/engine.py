@@ -30,6 +30,7 @@ from hora.common.config import Settings
 from hora.common.engine import carry, fusion, steady
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.buffers import copy_out_pieces, writing_to_inference
+from hora.common.engine.counters import Counters
 from hora.common.engine.executors import Run, executor_for
 from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
 from hora.common.engine.finisher import Finisher
@@ -39,7 +40,7 @@ from hora.common.engine.negotiation import InlineSlot, MessageTable, ResponseCac
 from hora.common.engine.replay import Replay
 from hora.common.engine.stall import StallInspector
 from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S, WATCH_INTERVAL_S
-from hora.common.engine.tracing import Tracer
+from hora.common.engine.tracing import Tracer, nvtx_ranges
 from hora.common.errors import HoraInternalError, shut_down_message
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import CAUSE, PARKED, GenerationKeys
@@ -99,7 +100,11 @@ class Engine:
             settings.stall_check_enabled and topology.rank == 0,
         )
         self.intake = Intake()
-        self.tracer = Tracer()
+        self.tracer = Tracer(nvtx_ranges() if settings.enable_nvtx else None)
+        # What the engine did, for live metrics (hora.common.metrics reads it at step ends).
+        self.counters = Counters()
+        # When the last cycle ended with requests still waiting for other ranks (0: it did not).
+        self._waiting_since = 0.0
         self._thread: threading.Thread | None = None
         self._watcher: Watcher | None = None
         self._finisher = Finisher(self.rank, lambda: self.intake.failure, self._transport_failed)
@@ -127,6 +132,7 @@ class Engine:
             self._keys,
             self.tracer,
             self._failure_seen,
+            self.counters,
         )
         for ranks in process_sets or []:
             set_id = self.process_sets.reserve_id()
@@ -316,15 +322,24 @@ class Engine:
         self._wait_for_turn()
         if self.tracer.timeline is not None and self.tracer.timeline.mark_cycles:
             self.tracer.mark("CYCLE_START")
+        exchanged = self.counters.now()
+        self.tracer.open("NEGOTIATE")
         contributions, carried = self._exchange(self.intake.drain())
         shutdown_reason = self._integrate(contributions)
         responses = self._table.ready(self._cache)
+        self.tracer.close()
+        agreed = self.counters.now()
+        waiting_since = self._waiting_since
+        self.counters.negotiated(
+            agreed - exchanged, agreed - waiting_since if waiting_since else 0.0
+        )
         self.tracer.agreed_at = self.tracer.now()
         had_news = any(reqs for reqs, _ in contributions) or bool(responses)
         self._idle_cycles = 0 if had_news else self._idle_cycles + 1
         self._execute(responses, carried)
         self._carrier.keep_only(self._table.pending)
         self._last_cycle_end = time.monotonic()
+        self._waiting_since = self.counters.now() if self._table else 0.0
         if shutdown_reason is not None:
             # Collectives started before the shutdown was agreed still deliver their results.
             self._finisher.drain()
@@ -556,13 +571,20 @@ class Engine:
             number,
             tracer,
             self._finisher,
+            self.counters,
         )
         if head.kind == RequestType.ALLREDUCE:
             # A destination made in inference mode is written in inference mode.
             with writing_to_inference(entries):
                 executor.execute(run)
-        else:
-            executor.execute(run)
+            return
+        issued = self.counters.now()
+        tracer.open(head.kind.name)
+        executor.execute(run)
+        tracer.close()
+        if not executor.traces_itself:
+            # Allreduces count themselves when they complete; these ran synchronously here.
+            self.counters.collective(issued, self.counters.now(), 0, len(entries))
         if not executor.traces_itself and tracer.timeline is not None:
             end = tracer.now()
             tracer.collective(
@@ -591,6 +613,7 @@ class Engine:
         result = carry.reduce_parts(response.template(), parts)
         with writing_to_inference([entry]):
             copy_out_pieces([entry], result.reshape(-1), [result.numel()])
+        self.counters.carried(result.numel() * result.element_size())
         if tracer.timeline is not None:
             end = tracer.now()
             nbytes = result.numel() * result.element_size()

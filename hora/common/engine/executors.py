@@ -29,6 +29,7 @@ from hora.common.engine.buffers import (
     torch_dtype,
     writing_to_inference,
 )
+from hora.common.engine.counters import Counters
 from hora.common.engine.finisher import Finisher
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.tracing import Tracer
@@ -50,6 +51,7 @@ class Run:
         number: the batch's number (the same collective on every rank).
         tracer: the timeline, if one is written.
         finisher: the thread that completes asynchronous collectives.
+        counters: the engine's counters (allreduces count themselves when they complete).
     """
 
     batch: list[Response]
@@ -60,6 +62,7 @@ class Run:
     number: int
     tracer: Tracer
     finisher: Finisher
+    counters: Counters
 
     @property
     def head(self) -> Response:
@@ -116,6 +119,7 @@ class Allreduce:
         head = run.head.template()
         inputs = _inputs(run)
         device = inputs[0].device
+        tracer.open("MEMCPY_IN_FUSION_BUFFER")
         if len(inputs) == 1:
             flat = inputs[0].reshape(-1)
             entry = entries[0]
@@ -131,12 +135,19 @@ class Allreduce:
         if work_dtype != flat.dtype or device.type != "cpu":
             work = flat.to(device="cpu", dtype=work_dtype)
         work = scale(work, head.prescale)
+        tracer.close()
         issued = tracer.now()
+        counters = run.counters
+        issued_s = counters.now()
+        on_the_wire = tracer.begin("ALLREDUCE")
         pending = run.comm.allreduce_async(work, work_op)
         number = run.number
 
         def complete() -> None:
             done = tracer.now()
+            tracer.finish(on_the_wire)
+            tracer.open("MEMCPY_OUT_FUSION_BUFFER")
+            counters.collective(issued_s, counters.now(), flat.numel() * flat.itemsize, len(inputs))
             # On the finisher thread: a single tensor is reduced in its own storage, which
             # may be an inference tensor (as when the allreduce scaled it before the wire).
             with writing_to_inference(entries):
@@ -144,6 +155,7 @@ class Allreduce:
                 if result is not flat:
                     flat.copy_(result)
                 copy_out_pieces(entries, flat, [t.numel() for t in inputs])
+            tracer.close()
             if tracer.timeline is not None:
                 times = (started, issued, done, tracer.now())
                 nbytes = flat.numel() * flat.itemsize
@@ -180,8 +192,13 @@ class AdasumAllreduce:
         work = torch.cat([t.to(device="cpu", dtype=work_dtype) for t in inputs])
         work = scale(work, head.prescale)
         issued = tracer.now()
+        issued_s = run.counters.now()
+        tracer.open("ADASUM")
         adasum.allreduce(work, counts, run.comm)
+        tracer.close()
         done = tracer.now()
+        nbytes = work.numel() * inputs[0].element_size()
+        run.counters.collective(issued_s, run.counters.now(), nbytes, len(counts))
         work = scale(work, head.postscale)
         copy_out_pieces(run.entries, work.to(device=inputs[0].device, dtype=dtype), counts)
         if tracer.timeline is not None:

@@ -30,6 +30,7 @@ from hora.common.engine.buffers import (
     storage_references,
     torch_dtype,
 )
+from hora.common.engine.counters import Counters
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.intake import Intake
 from hora.common.engine.negotiation import MessageTable
@@ -64,6 +65,10 @@ class _Flight:
     pending: Pending | None = None
     # The number of this steady-state collective, the same on every rank (see _steady_started).
     steady_id: int = 0
+    # When its allreduce was issued (the counters' clock).
+    issued_s: float = 0.0
+    # Its NVTX range (Tracer.begin), ended when it lands.
+    on_the_wire: int = 0
 
 
 class Replay:
@@ -78,6 +83,7 @@ class Replay:
         store: the job's store (stall records), and ``keys`` its generation's keys.
         tracer: the engine's timeline.
         failure_seen: whether the watcher saw the job fail.
+        counters: the engine's counters (each landed batch counts there).
 
     Attributes:
         schedule: the schedule being replayed, or ``None`` while negotiating.
@@ -99,6 +105,7 @@ class Replay:
         keys: GenerationKeys,
         tracer: Tracer,
         failure_seen: Callable[[], bool],
+        counters: Counters,
     ) -> None:
         self._intake = intake
         self._settings = settings
@@ -110,6 +117,7 @@ class Replay:
         self._keys = keys
         self._tracer = tracer
         self._failure_seen = failure_seen
+        self._counters = counters
         # A rank starts a batch as soon as its own tensors are there and waits inside the
         # allreduce for ranks still busy elsewhere (evaluating, writing a checkpoint). As a wait
         # in negotiation, that is no failure, however long: the batches get their own timeout,
@@ -398,6 +406,8 @@ class Replay:
             schedule.in_flight.add(position)
             schedule.advance()
         flight.issued = timeline.now() if timeline is not None else 0
+        flight.issued_s = self._counters.now()
+        flight.on_the_wire = self._tracer.begin("ALLREDUCE")
         try:
             flight.pending = self._comm.allreduce_async(
                 buffer, ReduceOp.SUM, self._steady_timeout_s
@@ -424,6 +434,8 @@ class Replay:
         except TransportError as exc:
             self._intake.hand_back(flight.entries + (following.entries if following else []))
             raise self._steady_error(flight, exc) from exc
+        done_s = self._counters.now()
+        self._tracer.finish(flight.on_the_wire)
         timeline = self._tracer.timeline
         done = timeline.now() if timeline is not None else 0
         codes = schedule.batch_buffers[flight.position].codes
@@ -443,7 +455,12 @@ class Replay:
         # than the copy, and the next batch (if ready) is already running.
         data = schedule.batch_buffers[flight.position].data
         finished = [e for e in flight.entries if e is not None]
+        self._counters.collective(
+            flight.issued_s, done_s, data.numel() * data.itemsize, len(finished)
+        )
+        self._tracer.open("MEMCPY_OUT_FUSION_BUFFER")
         lent = _deliver(finished, data, schedule.pieces, postscale)
+        self._tracer.close()
         with self._intake.wakeup:
             if lent:
                 schedule.lent.add(flight.position)

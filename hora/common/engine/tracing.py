@@ -3,15 +3,55 @@ batch's copy in, collective and copy out, on the rows of its tensors.
 
 The timeline writer itself (files, rows, flushing) is :mod:`hora.common.timeline_writer`; this module
 knows entries and responses, and the span names of docs/timeline-format.md.
+
+The same phases are NVTX ranges when ``HORA_ENABLE_NVTX=1`` (:class:`Ranges`): the timeline is
+written after a phase ends, with its start and end times, while an NVTX range must be opened
+and closed as the phase runs, so the engine marks each phase's start and end through the tracer
+too. The ranges bear the timeline's span names, prefixed with ``hora``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from hora.common.engine.handles import Entry
 from hora.common.message import ReduceOp, RequestType, Response, key_label
 from hora.common.timeline_writer import ENGINE_ROW, Timeline
+
+logger = logging.getLogger("hora")
+
+RANGE_PREFIX = "hora "
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """The NVTX functions the tracer calls (``torch.cuda.nvtx``'s, or a test's).
+
+    ``push``/``pop`` nest ranges on the calling thread; ``start``/``end`` make a range that may
+    end on another thread (an allreduce is started by the engine and finished by the finisher).
+    """
+
+    push: Callable[[str], Any]
+    pop: Callable[[], Any]
+    start: Callable[[str], int]
+    end: Callable[[int], Any]
+
+
+def nvtx_ranges() -> Ranges | None:
+    """``torch.cuda.nvtx``'s functions, or ``None`` when this PyTorch has no NVTX (a build
+    without CUDA raises on every call): the ranges then cost nothing."""
+    try:
+        import torch.cuda.nvtx as nvtx
+
+        nvtx.range_push(RANGE_PREFIX + "NVTX_CHECK")
+        nvtx.range_pop()
+    except (ImportError, RuntimeError, AttributeError) as exc:
+        logger.info("HORA_ENABLE_NVTX=1, but this PyTorch has no NVTX (%s): no ranges", exc)
+        return None
+    return Ranges(nvtx.range_push, nvtx.range_pop, nvtx.range_start, nvtx.range_end)
 
 
 def op_label(response: Response) -> str:
@@ -29,12 +69,33 @@ class Tracer:
         agreed_at: when the last negotiation cycle agreed on its responses (timeline time).
         batch_number: the number of the last batch started on this rank; every rank numbers
             batches alike, so a number names one collective across ranks.
+        ranges: the NVTX functions, when ranges are on (``HORA_ENABLE_NVTX=1`` with CUDA).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranges: Ranges | None = None) -> None:
         self.timeline: Timeline | None = None
         self.agreed_at = 0
         self.batch_number = 0
+        self.ranges = ranges
+
+    def open(self, phase: str) -> None:
+        """A phase starts on this thread (an NVTX range, closed by :meth:`close`)."""
+        if self.ranges is not None:
+            self.ranges.push(RANGE_PREFIX + phase)
+
+    def close(self) -> None:
+        """The phase this thread opened last ends."""
+        if self.ranges is not None:
+            self.ranges.pop()
+
+    def begin(self, phase: str) -> int:
+        """A phase starts that may end on another thread; returns what :meth:`finish` takes."""
+        return self.ranges.start(RANGE_PREFIX + phase) if self.ranges is not None else 0
+
+    def finish(self, begun: int) -> None:
+        """The phase :meth:`begin` returned ``begun`` for ends."""
+        if self.ranges is not None:
+            self.ranges.end(begun)
 
     def next_batch(self) -> int:
         self.batch_number += 1

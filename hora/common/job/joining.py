@@ -67,10 +67,14 @@ _linger: dict[str, Any] = {}
 # ---------------------------------------------------------------- mpi4py
 
 
-def _mpi_world(topology: Topology) -> Any:
+def _mpi_world(topology: Topology, comm: Any = None) -> Any:
+    """MPI_COMM_WORLD, checked against the launcher's variables; or ``comm``, the communicator
+    the user made the job of (``hvd.init(comm=...)``)."""
     mpi = import_mpi()
     if not mpi.Is_initialized():
         mpi.Init_thread(mpi.THREAD_MULTIPLE)
+    if comm is not None:
+        return comm
     world = mpi.COMM_WORLD
     if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
         raise TopologyError(
@@ -287,13 +291,17 @@ def _exchange(store: StoreClient, topology: Topology, generation: int) -> Topolo
 # ---------------------------------------------------------------- join
 
 
-def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Topology, StoreClient]:
+def join(
+    topology: Topology, timeout_s: float, generation: int = 0, mpi_comm: Any = None
+) -> tuple[Topology, StoreClient]:
     """Connect to the job's store (starting it first where this process hosts it).
 
     Args:
         topology: what :func:`~hora.common.job.topology.detect` returned.
         timeout_s: how long to wait for the store and for the other ranks.
         generation: how many times ``hvd.init`` ran before in this process (keeps keys apart).
+        mpi_comm: the mpi4py communicator whose processes are the job, when it is not
+            ``MPI_COMM_WORLD``: its rank 0 hands out the store over it.
 
     Returns:
         The finished topology (address, port, secret and all ranks filled in) and the store.
@@ -307,7 +315,7 @@ def join(topology: Topology, timeout_s: float, generation: int = 0) -> tuple[Top
             topology.rendezvous_addr, topology.rendezvous_port, topology.secret, timeout_s
         )
         return topology, store
-    addr, port, secret, authenticated = _secret_and_store(topology, plan)
+    addr, port, secret, authenticated = _secret_and_store(topology, plan, mpi_comm)
     published = _port_file(plan, authenticated)
     if plan.host and not plan.mpi4py:
         port, secret = _host_store(topology, addr, 0 if published else port, secret)
@@ -383,7 +391,9 @@ def _published_port(topology: Topology, path: Path, secret: str, timeout_s: floa
         raise TopologyError(tampering(exc, topology.rank)) from None
 
 
-def _secret_and_store(topology: Topology, plan: StorePlan) -> tuple[str, int, str, bool]:
+def _secret_and_store(
+    topology: Topology, plan: StorePlan, mpi_comm: Any = None
+) -> tuple[str, int, str, bool]:
     """The store's address and port, the job secret, and whether the secret is secret.
 
     Raises:
@@ -391,7 +401,7 @@ def _secret_and_store(topology: Topology, plan: StorePlan) -> tuple[str, int, st
             allow an unauthenticated job.
     """
     if plan.mpi4py:
-        addr, port, secret = _exchange_over_mpi(topology, plan)
+        addr, port, secret = _exchange_over_mpi(topology, plan, mpi_comm)
         return addr, port, secret, True
     if topology.secret:
         return plan.addr, plan.port, topology.secret, True
@@ -417,8 +427,10 @@ def _no_secret(topology: Topology) -> str:
     )
 
 
-def _exchange_over_mpi(topology: Topology, plan: StorePlan) -> tuple[str, int, str]:
-    world = _mpi_world(topology)
+def _exchange_over_mpi(
+    topology: Topology, plan: StorePlan, mpi_comm: Any = None
+) -> tuple[str, int, str]:
+    world = _mpi_world(topology, mpi_comm)
     offer: tuple[str, str, int, str] | None = None
     if topology.rank == 0:
         try:
