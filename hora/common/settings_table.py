@@ -291,6 +291,14 @@ GLOO_IFACE = Variable(
     "`--network-interface`).",
     also_read=("GLOO_SOCKET_IFNAME",),
 )  # fmt: skip
+GC_FREEZE = Variable(
+    "GC_FREEZE", BOOLEAN, True,
+    "`1` (the default): `hvd.init()` pauses Python's cyclic garbage collector while it joins "
+    "the job, then moves every object alive at that point out of its reach (`gc.freeze()`), so "
+    "later full collections no longer walk torch's objects on one rank while the others wait. "
+    "`0` leaves the collector alone. See [docs/training.md](training.md#pythons-garbage-collector).",
+    horovod=False,
+)  # fmt: skip
 START_TIMEOUT = Variable(
     "START_TIMEOUT", NUMBER, 30.0,
     "Seconds a worker (`hvd.init()`, or a `hora.run` worker fetching its function) may take to "
@@ -459,6 +467,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     CPU_OPERATIONS,
     ENABLE_NVTX,
     GLOO_IFACE,
+    GC_FREEZE,
     START_TIMEOUT,
     LAUNCHER_TIMEOUT_SECONDS,
     LAUNCHER,
