@@ -28,20 +28,6 @@ JOB_TIMEOUT_S = 170.0
 TEST_TIMEOUT_S = 240
 
 FLAVORS = {"keras3": {}, "tf_keras": {"TF_USE_LEGACY_KERAS": "1"}}
-ALL_CHECKS = [
-    "helpers",
-    "apply",
-    "passes",
-    "partial",
-    "compute",
-    "fit",
-    "broadcast",
-    "metrics",
-    "learning_rate",
-    "checkpoint",
-    "load_model",
-    "errors",
-]
 # At three ranks, the checks whose results depend on the number of ranks.
 SIZE_CHECKS = [
     "apply",
@@ -53,6 +39,7 @@ SIZE_CHECKS = [
     "metrics",
     "learning_rate",
 ]
+ALL_CHECKS = ["helpers", *SIZE_CHECKS, "checkpoint", "load_model", "errors"]
 JOBS = [("keras3", 2), ("keras3", 3), ("tf_keras", 2), ("tf_keras", 3)]
 
 
