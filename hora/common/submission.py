@@ -12,6 +12,7 @@ compression, and its public signatures.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -217,15 +218,19 @@ def submit(
     """Build one entry per tensor and hand them to the engine atomically.
 
     The call is named ``<kind>.<name>`` (``grouped_<kind>.<name>_<i>of<n>`` for each tensor of
-    a grouped call), or ``<kind>.noname.<handle>`` without a name: every rank derives the same
-    names, which is how the engine matches calls across ranks. ``outputs`` holds, per tensor,
-    where its result goes (the tensor itself, in place; ``None``: a new tensor).
+    a grouped call), or ``<kind>.noname.<n>`` without a name, for the process set's n-th unnamed
+    call (see :class:`_UnnamedCalls`): every rank derives the same names, which is how the
+    engine matches calls across ranks. ``outputs`` holds, per tensor, where its result goes (the
+    tensor itself, in place; ``None``: a new tensor).
     """
     set_id = check_process_set(process_set, kind)
     engine = basics.engine()
     handle = engine.handle(len(tensors), kind, grouped)
     prefix = f"grouped_{_PREFIXES[kind]}" if grouped else _PREFIXES[kind]
-    base = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle.id}"
+    if name is None:
+        base = f"{prefix}.noname.{_UNNAMED_CALLS.number(engine, set_id)}"
+    else:
+        base = f"{prefix}.{name}"
     if grouped and name is not None:
         requests = _GROUPED_CALLS.requests(kind, base, tensors, set_id, fields)
     else:
@@ -308,6 +313,35 @@ class _GroupedCalls:
 
 
 _GROUPED_CALLS = _GroupedCalls()
+
+
+class _UnnamedCalls:
+    """Numbers each process set's unnamed calls, afresh for every engine.
+
+    Only the members of a process set make its calls, so a count over every call of the
+    process would drift apart between ranks as soon as some of them used a process set: the
+    next unnamed call of the whole job would then get a different name on different ranks. A
+    count per process set stays the same on all its members. A new engine (``init`` after
+    ``shutdown``, or a new elastic round, where new workers join the survivors) starts from 1.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine: weakref.ref[Any] | None = None
+        self._counts: dict[int, int] = {}
+
+    def number(self, engine: Any, set_id: int) -> int:
+        """The number of this call among ``set_id``'s unnamed calls on ``engine`` (from 1)."""
+        with self._lock:
+            if self._engine is None or self._engine() is not engine:
+                self._engine = weakref.ref(engine)
+                self._counts = {}
+            count = self._counts.get(set_id, 0) + 1
+            self._counts[set_id] = count
+            return count
+
+
+_UNNAMED_CALLS = _UnnamedCalls()
 
 
 def submit_reduction(

@@ -124,3 +124,33 @@ def test_a_name_in_flight_is_still_unique_within_its_set(job: Any) -> None:
     _, ranks = job
     for observed in ranks:
         assert_raised(observed["duplicate"], ValueError, "same name", "currently being processed")
+
+
+def _unnamed_after_a_subset_worker(size: int) -> dict[str, Any]:
+    import hora.torch as hvd
+
+    low = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[low])
+    rank = hvd.rank()
+    out: dict[str, Any] = {}
+    # Only ranks 0 and 1 make these unnamed calls ...
+    if low.included():
+        out["low"] = [
+            hvd.allreduce(rank_input(rank, f"low{i}"), op=hvd.Sum, process_set=low)
+            for i in range(2)
+        ]
+    # ... and the next unnamed call of the whole job still gets the same name on every rank.
+    out["global"] = hvd.allreduce(rank_input(rank, "global"), op=hvd.Sum)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_unnamed_calls_of_a_subset_do_not_shift_the_job_s_names() -> None:
+    np = 3
+    ranks = run_job(_unnamed_after_a_subset_worker, np, np)
+    for rank, observed in enumerate(ranks):
+        assert_same(observed["global"], _sum_over(list(range(np)), "global"))
+        if rank < 2:
+            for i, result in enumerate(observed["low"]):
+                assert_same(result, _sum_over([0, 1], f"low{i}"))

@@ -64,8 +64,8 @@ def test_names_fields_and_result_shapes(one_rank: None, monkeypatch: pytest.Monk
     )
     assert [r.name for r in seen] == [
         "allreduce.w",
-        f"grouped_allgather.noname.{grouped.id}_1of2",
-        f"grouped_allgather.noname.{grouped.id}_2of2",
+        "grouped_allgather.noname.1_1of2",  # the first unnamed call of the global set
+        "grouped_allgather.noname.1_2of2",
     ]
     first = seen[0]
     assert (first.dtype, first.shape, first.device, first.process_set_id) == (
@@ -75,7 +75,7 @@ def test_names_fields_and_result_shapes(one_rank: None, monkeypatch: pytest.Monk
         0,
     )
     assert (first.reduce_op, first.prescale, first.postscale) == (ReduceOp.SUM, 2.0, 0.5)
-    assert seen[1].group == (f"grouped_allgather.noname.{grouped.id}", 2)
+    assert seen[1].group == ("grouped_allgather.noname.1", 2)
     assert seen[2].dtype == "int32"
 
     # One rank: the sum of one tensor, scaled; a grouped call's results come as a list.
@@ -175,3 +175,16 @@ def test_a_repeated_grouped_call_reuses_its_requests_while_its_tensors_stay_alik
         hvd.grouped_allreduce_([torch.ones(3), torch.ones(4).to_sparse()], name="same")
     with pytest.raises(TypeError, match="torch.Tensor"):
         hvd.grouped_allreduce_([torch.ones(3), [1.0]], name="same", op=hvd.Sum)  # type: ignore[list-item]
+
+
+def test_unnamed_calls_are_numbered_per_process_set_and_engine() -> None:
+    class Engine:
+        pass
+
+    calls = submission._UnnamedCalls()
+    first, second = Engine(), Engine()
+    assert [calls.number(first, 0) for _ in range(3)] == [1, 2, 3]
+    # A process set's calls do not move the global set's numbers, nor the other way round.
+    assert [calls.number(first, 5), calls.number(first, 5), calls.number(first, 0)] == [1, 2, 4]
+    # A new engine (init after shutdown, a new elastic round) starts again from 1.
+    assert [calls.number(second, 0), calls.number(second, 5)] == [1, 1]
