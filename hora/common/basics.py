@@ -54,6 +54,8 @@ class _State:
         self.mpi_comm: Any = None
         # The library of the running job's data path: "gloo" or "mpi".
         self.cpu_operations = ""
+        # Whether this process froze its objects (``gc.freeze()``) at its first ``init``.
+        self.gc_frozen = False
 
 
 _state = _State()
@@ -223,10 +225,6 @@ def _sub_job(topology: Topology, job_comm: Any) -> Topology:
     return replace(topology, rank=rank, size=size, launch=reading)
 
 
-# Whether this process has frozen its objects (``gc.freeze()``) at its first ``init``.
-_froze = [False]
-
-
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Keep Python's cyclic garbage collector from walking torch's objects during ``init``, and,
@@ -246,9 +244,9 @@ def _collector_paused() -> Iterator[None]:
     gc.disable()
     try:
         yield
-        if not _froze[0] and is_initialized() and flag("GC_FREEZE", True):
+        if not _state.gc_frozen and is_initialized() and flag("GC_FREEZE", True):
             gc.freeze()
-            _froze[0] = True
+            _state.gc_frozen = True
     finally:
         if enabled:
             gc.enable()

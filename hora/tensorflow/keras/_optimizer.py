@@ -176,9 +176,11 @@ class HoraState:
     def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         """``grads`` averaged across ranks, unless they are exactly what ``_compute_gradients``
         returned (averaged already)."""
-        averaged, self.averaged = self.averaged, []
+        # Both lists' tensors are alive here, so an equal id means the same tensor.
+        averaged = {id(a) for a in self.averaged}
+        self.averaged = []
         live = [g for g in grads if g is not None]
-        if live and all(any(g is a for a in averaged) for g in live):
+        if live and all(id(g) in averaged for g in live):
             return grads
         return self.reducer.reduce(grads, variables)
 
