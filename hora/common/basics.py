@@ -54,6 +54,7 @@ class _State:
         self.mpi_comm: Any = None
         # The library of the running job's data path: "gloo" or "mpi".
         self.cpu_operations = ""
+        self.gpu_operations = ""
         # Whether this process froze its objects (``gc.freeze()``) at its first ``init``.
         self.gc_frozen = False
 
@@ -110,6 +111,58 @@ def _communicator_factory(
 
     def factory(scope: str, rank: int, size: int) -> Communicator:
         comm = GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
+        try:
+            prove_peers(comm, store.secret, scope)
+        except TransportError:
+            comm.abort()
+            raise
+        return comm
+
+    return factory
+
+
+def _gpu_communicator_factory(settings: Settings, store: StoreClient) -> Any:
+    """Builds the NCCL communicators that move CUDA tensors (``HORA_GPU_OPERATIONS=nccl``), or
+    ``None`` where CUDA tensors go through host memory (``host``, or a torch without NCCL).
+
+    The factory returns ``None`` for a set whose members share a GPU (NCCL needs one per
+    member): that set's CUDA tensors go through host memory, as every member learns from the
+    same exchange. Each group proves the job secret over its own connections once it is made,
+    as Gloo's do.
+    """
+    from hora.common.transport.nccl import (
+        NCCLCommunicator,
+        gpu_identity,
+        nccl_compiled,
+        shared_gpus,
+    )
+
+    if settings.gpu_operations != "nccl" or not nccl_compiled():
+        return None
+    from hora.common.engine.replay import steady_batch_timeout_s
+
+    longest_s = steady_batch_timeout_s(settings)
+
+    def factory(scope: str, rank: int, size: int, device: Any) -> Communicator | None:
+        name = f"{scope}/gpu-of/"
+        store.set_signed(name + str(rank), gpu_identity(device).encode())
+        try:
+            identities = [store.get_signed(name + str(r)).decode() for r in range(size)]
+        except RuntimeError as exc:
+            raise TransportError(f"the members of {scope} did not all arrive: {exc}") from exc
+        shared = shared_gpus(identities)
+        if shared:
+            if rank == 0:
+                logger.warning(
+                    "members %s of a process set share a GPU; NCCL needs one GPU per process, "
+                    "so that set's CUDA tensors go through host memory. Pin each process to its "
+                    "own GPU (torch.cuda.set_device(hvd.local_rank())) to use NCCL.",
+                    "; ".join(str(group) for group in shared),
+                )
+            return None
+        comm = NCCLCommunicator(
+            store.scoped(scope), rank, size, settings.gloo_timeout_s, device, longest_s
+        )
         try:
             prove_peers(comm, store.secret, scope)
         except TransportError:
@@ -287,6 +340,7 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         topology, store, generation, mpi_comm = _join_job(settings, comm)
         _state.mpi_comm = mpi_comm
         _state.cpu_operations = settings.cpu_operations
+        _state.gpu_operations = settings.gpu_operations
         sets = _translate_mpi_sets(sets, mpi_comm)
         registered, positions = _registered_lists(sets, topology.size, mpi_comm)
         # From here log lines name this rank (in an elastic job it changes from round to round).
@@ -300,6 +354,7 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
             ),
             generation=generation,
             process_sets=registered,
+            device_communicator_factory=_gpu_communicator_factory(settings, store),
         )
         path = lookup("TIMELINE")
         if path:
@@ -520,6 +575,7 @@ def _stop_engine(reason: str | None) -> None:
         _state.engine = None
         _state.mpi_comm = None
         _state.cpu_operations = ""
+        _state.gpu_operations = ""
         for process_set in _state.process_sets.values():
             if process_set is not global_process_set:
                 process_set._unbind()
@@ -719,8 +775,18 @@ def mpi_threads_supported() -> bool:
 
 
 def nccl_built() -> int:
-    """0: hora runs GPU tensors through host memory over Gloo; it does not use NCCL yet."""
-    return 0
+    """1 where this torch has NCCL, so that collectives on CUDA tensors run over NCCL
+    (``HORA_GPU_OPERATIONS=nccl``, the default); 0 where CUDA tensors can only go through host
+    memory."""
+    from hora.common.transport.nccl import nccl_compiled
+
+    return int(nccl_compiled())
+
+
+def nccl_enabled() -> bool:
+    """Whether the running job moves CUDA tensors over NCCL (``HORA_GPU_OPERATIONS=nccl`` and
+    a torch with NCCL)."""
+    return is_initialized() and _state.gpu_operations == "nccl" and bool(nccl_built())
 
 
 def ddl_built() -> bool:
@@ -732,7 +798,8 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """Whether CUDA tensors are accepted (they are staged through host memory)."""
+    """Whether this torch has CUDA, so that hora takes CUDA tensors (over NCCL where
+    :func:`nccl_built`, else through host memory)."""
     import torch
 
     return bool(torch.backends.cuda.is_built())

@@ -99,6 +99,7 @@ class Settings:
         autotune_warmup_samples: steps after each autotune change that are not measured.
         autotune_steps_per_sample: measured steps per autotune candidate.
         cpu_operations: the library of the data path and the negotiation, ``gloo`` or ``mpi``.
+        gpu_operations: how CUDA tensors move, ``nccl`` or ``host`` (through host memory).
         enable_nvtx: mark the engine's phases as NVTX ranges (a no-op without CUDA).
     """
 
@@ -119,6 +120,7 @@ class Settings:
     autotune_warmup_samples: int = table.AUTOTUNE_WARMUP_SAMPLES.default
     autotune_steps_per_sample: int = table.AUTOTUNE_STEPS_PER_SAMPLE.default
     cpu_operations: str = table.CPU_OPERATIONS.default
+    gpu_operations: str = table.GPU_OPERATIONS.default
     enable_nvtx: bool = table.ENABLE_NVTX.default
 
     @classmethod
@@ -151,6 +153,7 @@ class Settings:
             autotune_warmup_samples=read(table.AUTOTUNE_WARMUP_SAMPLES, env),
             autotune_steps_per_sample=read(table.AUTOTUNE_STEPS_PER_SAMPLE, env),
             cpu_operations=read(table.CPU_OPERATIONS, env).lower(),
+            gpu_operations=read(table.GPU_OPERATIONS, env).lower(),
             enable_nvtx=read(table.ENABLE_NVTX, env),
         )
         settings.validate()
@@ -185,6 +188,7 @@ SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
     "autotune_warmup_samples": table.AUTOTUNE_WARMUP_SAMPLES,
     "autotune_steps_per_sample": table.AUTOTUNE_STEPS_PER_SAMPLE,
     "cpu_operations": table.CPU_OPERATIONS,
+    "gpu_operations": table.GPU_OPERATIONS,
     "enable_nvtx": table.ENABLE_NVTX,
 }
 

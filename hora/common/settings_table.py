@@ -277,6 +277,14 @@ CPU_OPERATIONS = Variable(
     "--mpi`). See [docs/deployment.md](deployment.md#choosing-a-data-path).",
     choices=("gloo", "mpi"),
 )  # fmt: skip
+GPU_OPERATIONS = Variable(
+    "GPU_OPERATIONS", TEXT, "nccl",
+    "How collectives on CUDA tensors move their data: `nccl` (a NCCL group per process set, "
+    "buffers stay on the GPU; where this torch has no NCCL, hora uses `host`), or `host` "
+    "(copied to host memory and through the CPU data path). Negotiation stays on the CPU path "
+    "either way. See [docs/deployment.md](deployment.md#choosing-a-data-path).",
+    choices=("nccl", "host"),
+)  # fmt: skip
 ENABLE_NVTX = Variable(
     "ENABLE_NVTX", BOOLEAN, False,
     "`1` marks hora's phases (negotiation, fusion copies, each collective) as NVTX ranges, which "
@@ -465,6 +473,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     LOG_LEVEL,
     LOG_HIDE_TIME,
     CPU_OPERATIONS,
+    GPU_OPERATIONS,
     ENABLE_NVTX,
     GLOO_IFACE,
     GC_FREEZE,

@@ -408,10 +408,11 @@ OPTIONS: tuple[Option, ...] = (
            "btl_tcp_if_include eth0\"`). Without `--mpi` it has no effect.",
            doc_table="general"),
     _switch("--tcp", group="library", sets=(("NCCL_IB_DISABLE", "1"),),
-            help="turn InfiniBand off for any NCCL your script uses",
-            inert="hora's own traffic is TCP already; NCCL_IB_DISABLE=1 is set for any NCCL "
-            "your script uses.",
-            env_doc=", as `horovodrun` sets it. hora's own traffic is TCP already.",
+            help="turn InfiniBand off for NCCL (hora's CUDA path and your script's)",
+            inert="Gloo's and the store's traffic is TCP already; NCCL_IB_DISABLE=1 is set for "
+            "NCCL.",
+            env_doc=", as `horovodrun` sets it; NCCL then uses sockets. Gloo's traffic is TCP "
+            "already.",
             doc_table="engine"),
     Option(("--binding-args",), "binding_args", "library", "text", metavar="ARGS",
            help="mpirun's process binding arguments (with --mpi; default: --bind-to none)",
@@ -420,7 +421,8 @@ OPTIONS: tuple[Option, ...] = (
            "`--mpi` it has no effect.", doc_table="general"),
     Option(("--num-nccl-streams",), "num_nccl_streams", "library", "int", metavar="N",
            config_key="library_options.num_nccl_streams", bounds=NON_NEGATIVE,
-           inert="hora does not use NCCL.", doc_table="inert"),
+           inert="hora runs each process set's NCCL collectives on one NCCL stream, in order.",
+           doc_table="inert"),
     Option(("--thread-affinity",), "thread_affinity", "library", "text", metavar="CORES",
            config_key="library_options.thread_affinity",
            inert="hora does not pin its background thread to a core.", doc_table="inert"),

@@ -2,8 +2,8 @@
 
 ``check_build_text`` prints Horovod's ``--check-build`` table. A box is ticked when hora can use
 that framework or transport here: the library is present *and* hora has a path through it. hora's
-transports are Gloo (through ``torch.distributed``) and MPI (through mpi4py, when it loads); NCCL
-is detected and shown by ``hora doctor``, with why hora does not use it. ``doctor`` adds versions,
+transports are Gloo (through ``torch.distributed``), MPI (through mpi4py, when it loads) and, for
+CUDA tensors, NCCL (through ``torch.distributed``, when torch has it and a GPU is visible). ``doctor`` adds versions,
 those details, and a two-process allreduce on this machine through ``hora.run``. Nothing here
 starts a job of its own beyond that check.
 """
@@ -90,7 +90,7 @@ def _nccl() -> Capability:
     import torch
     import torch.distributed as dist
 
-    from hora.common.basics import nccl_built
+    from hora.common.config import Settings
 
     if not dist.is_available() or not dist.is_nccl_available():
         return Capability("NCCL", False, "this torch build has no NCCL")
@@ -100,14 +100,14 @@ def _nccl() -> Capability:
     if not torch.cuda.is_available():
         return Capability("NCCL", False, f"torch has NCCL {version} but no CUDA device is visible")
     devices = torch.cuda.device_count()
-    if not nccl_built():
+    if Settings.from_env().gpu_operations != "nccl":
         return Capability(
             "NCCL",
             False,
-            f"torch has NCCL {version} and {devices} CUDA device(s), but this hora does not use "
-            "NCCL yet (CUDA tensors go through host memory over Gloo)",
+            f"torch has NCCL {version} and {devices} CUDA device(s), but HORA_GPU_OPERATIONS="
+            "host sends CUDA tensors through host memory",
         )
-    return Capability("NCCL", True, f"NCCL {version}, {devices} CUDA device(s)")
+    return Capability("NCCL", True, f"NCCL {version}, {devices} CUDA device(s): CUDA tensors' path")
 
 
 def _mpi() -> Capability:

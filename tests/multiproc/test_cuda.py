@@ -1,8 +1,11 @@
 """CUDA tensors through hora on real processes: collectives, DistributedOptimizer (with
-torch.amp), SyncBatchNorm and the examples.
+torch.amp), SyncBatchNorm and the examples, over NCCL (``HORA_GPU_OPERATIONS=nccl``) and through
+host memory (``host``).
 
 Skipped where no GPU is visible. A host with fewer GPUs than ranks shares them round-robin
-(ranks ``i`` and ``i + count`` on GPU ``i``), so one GPU runs the np=2 and np=3 jobs too.
+(ranks ``i`` and ``i + count`` on GPU ``i``), so one GPU runs the np=2 and np=3 jobs too; NCCL
+cannot put two ranks on one GPU, so there the NCCL jobs check that hora sends CUDA tensors
+through host memory instead (and says so), and NCCL itself runs where each rank has a GPU.
 """
 
 from __future__ import annotations
@@ -269,6 +272,14 @@ def _sync_batch_norm(device: Any) -> dict[str, float]:
     }
 
 
+def _data_path() -> str:
+    """Whether the global set's CUDA tensors went over NCCL or through host memory."""
+    from hora.common import basics
+
+    engine: Any = basics._state.engine
+    return "nccl" if engine._device_communicators else "host"
+
+
 def _cuda_worker() -> dict[str, Any]:
     import torch
 
@@ -278,6 +289,7 @@ def _cuda_worker() -> dict[str, Any]:
     hvd.init()
     device = pick_device(no_cuda=False)  # GPU local_rank % count, as the examples pick it
     out = _collectives(device)
+    out["path"] = _data_path()
     out.update(_side_stream(device))
     out.update(_sparse(device))
     out["sgd"] = _train(device, "sgd", steps=4)
@@ -291,9 +303,19 @@ def _cuda_worker() -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda np: f"np{np}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, "nccl"), (3, "nccl"), (2, "host"), (3, "host")],
+    ids=lambda p: f"np{p[0]}-{p[1]}",
+)
 def cuda_job(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return run_job(_cuda_worker, request.param, timeout_s=150)
+    np, path = request.param
+    results = run_job(_cuda_worker, np, env={"HORA_GPU_OPERATIONS": path}, timeout_s=150)
+    own_gpus = torch.cuda.device_count() >= np and torch.distributed.is_nccl_available()
+    expected = "nccl" if path == "nccl" and own_gpus else "host"
+    for rank, observed in enumerate(results):
+        assert observed["path"] == expected, f"rank {rank}: CUDA tensors took {observed['path']}"
+    return results
 
 
 @pytest.mark.timeout(180)

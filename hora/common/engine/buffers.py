@@ -82,6 +82,41 @@ def postscale(buffer: torch.Tensor, divisor: int, factor: float) -> torch.Tensor
     return scale(buffer, factor / divisor)
 
 
+def local_gpu(local_rank: int) -> torch.device:
+    """The GPU of a rank whose tensors named none yet: its local rank's, round-robin over the
+    visible GPUs (as a training script pins it with ``torch.cuda.set_device(local_rank)``)."""
+    count = torch.cuda.device_count()
+    return torch.device("cuda", local_rank % count if count else 0)
+
+
+def on_default_stream(tensor: torch.Tensor) -> Any:
+    """A context that queues CUDA work on ``tensor``'s device's default stream (the engine's,
+    which the submitting call made wait for the caller's stream); nothing for CPU tensors."""
+    if not tensor.is_cuda:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.default_stream(tensor.device))
+
+
+def read_landed(tensor: torch.Tensor) -> list[int]:
+    """The values of a small tensor that a finished collective wrote, as integers.
+
+    A CUDA tensor is read on a stream of its own: the collective is known to be done, and the
+    default stream may hold a backlog of the caller's kernels (the rest of backward) that a read
+    there would wait for.
+    """
+    if not tensor.is_cuda:
+        return [int(v) for v in tensor.tolist()]
+    side = _reading_streams.get(tensor.device)
+    if side is None:
+        side = _reading_streams[tensor.device] = torch.cuda.Stream(tensor.device)
+    with torch.cuda.stream(side):
+        values = tensor.tolist()
+    return [int(v) for v in values]
+
+
+_reading_streams: dict[torch.device, Any] = {}
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 

@@ -29,7 +29,7 @@ import torch
 from hora.common.config import Settings
 from hora.common.engine import carry, fusion, steady
 from hora.common.engine.autotune import Autotuner
-from hora.common.engine.buffers import copy_out_pieces, writing_to_inference
+from hora.common.engine.buffers import copy_out_pieces, local_gpu, writing_to_inference
 from hora.common.engine.counters import Counters
 from hora.common.engine.executors import Run, executor_for
 from hora.common.engine.failures import DeadlockCheck, Watcher, diagnose
@@ -68,6 +68,10 @@ class Engine:
         settings: engine settings.
         store: a connection to the job's store (an in-process one for a job of one).
         communicator_factory: builds a communicator for ``(scope, rank_in_set, set_size)``.
+        device_communicator_factory: builds a communicator whose buffers live on a GPU for
+            ``(scope, rank_in_set, set_size, device)`` (NCCL), or returns ``None`` when the set
+            cannot have one (its members share a GPU); ``None`` itself: CUDA tensors go
+            through host memory on the set's communicator.
         generation: how many times ``init`` ran before in this process (keeps scopes distinct).
         process_sets: member lists of the sets registered at ``init`` (ids 1, 2, ...).
     """
@@ -80,6 +84,8 @@ class Engine:
         communicator_factory: Callable[[str, int, int], Communicator],
         generation: int = 0,
         process_sets: list[tuple[int, ...]] | None = None,
+        device_communicator_factory: Callable[[str, int, int, torch.device], Communicator | None]
+        | None = None,
     ) -> None:
         self.topology = topology
         self.settings = settings
@@ -90,6 +96,12 @@ class Engine:
         self._make_communicator = communicator_factory
         self.process_sets = ProcessSetTable(topology.size)
         self._communicators: dict[int, Communicator] = {}
+        # GPU data paths: per process set, made the first time the set moves CUDA tensors.
+        self._make_device_communicator = device_communicator_factory
+        self._device_communicators: dict[int, Communicator] = {}
+        # Sets whose CUDA tensors go through host memory after all (members share a GPU).
+        self._host_only: set[int] = set()
+        self._gpu: torch.device | None = None
         self._cache = ResponseCache(settings.cache_capacity)
         self._table = MessageTable(self.process_sets)
         self._inline = InlineSlot()
@@ -126,7 +138,7 @@ class Engine:
             settings,
             self.rank,
             self.size,
-            self._communicators[0],
+            lambda device: self._data_communicator(0, device, None),
             self._control,
             store,
             self._keys,
@@ -562,9 +574,13 @@ class Engine:
         if self.rank not in members:
             return
         executor = executor_for(head)
+        hint = next(
+            (e.tensor.device for e in entries if e is not None and e.tensor is not None), None
+        )
         run = Run(
             batch,
             entries,
+            self._data_communicator(head.process_set_id, head.template().device, hint),
             self._communicators[head.process_set_id],
             members,
             self.rank,
@@ -631,9 +647,11 @@ class Engine:
             set_id = int(template.name.split(".")[1])
             self._finisher.drain()
             self.process_sets.remove(set_id)
-            removed = self._communicators.pop(set_id, None)
-            if removed is not None:
-                removed.close()
+            self._host_only.discard(set_id)
+            for table in (self._communicators, self._device_communicators):
+                removed = table.pop(set_id, None)
+                if removed is not None:
+                    removed.close()
         (entry,) = self.intake.take([template.key])
         if entry is not None:
             finish(entry, set_id)
@@ -645,10 +663,48 @@ class Engine:
                 f"ps{set_id}", set_id, ranks.index(self.rank), len(ranks)
             )
 
+    def _data_communicator(
+        self, set_id: int, device: str, hint: torch.device | None
+    ) -> Communicator:
+        """The communicator that moves a batch's data: the set's own for CPU tensors (and for
+        CUDA tensors through host memory), else the set's GPU communicator, made now the first
+        time (every member runs the same batches in the same order, so all make it together).
+
+        ``hint`` is the device of this rank's tensors in the batch, if it holds any: the GPU
+        communicator lives there (a joined rank, holding none, uses the GPU of its first
+        tensors, or that of its local rank).
+        """
+        if device != "cuda" or self._make_device_communicator is None or set_id in self._host_only:
+            return self._communicators[set_id]
+        if hint is not None and hint.type == "cuda" and self._gpu is None:
+            self._gpu = hint
+        comm = self._device_communicators.get(set_id)
+        if comm is None:
+            gpu = self._gpu or local_gpu(self.topology.local_rank)
+            members = self.process_sets.members(set_id)
+            try:
+                comm = self._make_device_communicator(
+                    self._keys.scope(f"gpu-ps{set_id}"),
+                    members.index(self.rank),
+                    len(members),
+                    gpu,
+                )
+            except TransportError as exc:
+                raise HoraInternalError(
+                    f"rank {self.rank}: could not connect the NCCL group of process set "
+                    f"{set_id} on {gpu} ({exc}). NCCL_DEBUG=INFO shows why; "
+                    "HORA_GPU_OPERATIONS=host moves CUDA tensors through host memory instead."
+                ) from exc
+            if comm is None:
+                self._host_only.add(set_id)
+                return self._communicators[set_id]
+            self._device_communicators[set_id] = comm
+        return comm
+
     # ----------------------------------------------------------------- endings
 
     def _all_communicators(self) -> list[Communicator]:
-        return [self._control, *self._communicators.values()]
+        return [self._control, *self._communicators.values(), *self._device_communicators.values()]
 
     def _abort_on_failure(self) -> None:
         """The watcher saw the job fail: unblock every collective, wake a parked engine."""

@@ -3,8 +3,9 @@
 As Horovod's operation manager does, the engine asks each executor in :data:`EXECUTORS`, in
 order, whether it runs a batch (``enabled``), and lets the first that does ``execute`` it. A
 batch is one or more agreed responses fused into one operation (see
-:mod:`hora.common.engine.fusion`). Executors move data through the set's communicator and finish the
-entries' handles; the allreduce hands its completion to the finisher thread so that the engine
+:mod:`hora.common.engine.fusion`). Executors move data through the communicator that the engine picked for
+the batch (the set's own, or its NCCL group for CUDA tensors), in buffers on that communicator's
+device, and finish the entries' handles; the allreduce hands its completion to the finisher thread so that the engine
 can start the next batch while this one is on the wire.
 
 This module knows entries, responses, buffers and communicators; it holds no engine state.
@@ -45,7 +46,10 @@ class Run:
         batch: the fused responses, in agreed order.
         entries: this rank's entry for each response (``None``: a joined rank's part, which
             contributes zeros to an allreduce).
-        comm: the communicator of the batch's process set.
+        comm: the communicator that moves the batch's data: the process set's, or its GPU
+            communicator (NCCL) for CUDA tensors. Buffers go to it on ``comm.device``.
+        host_comm: the process set's own communicator, for what runs in host memory whatever
+            the tensors' device (Adasum).
         members: the set's global ranks, in order.
         rank: this process's global rank.
         number: the batch's number (the same collective on every rank).
@@ -57,6 +61,7 @@ class Run:
     batch: list[Response]
     entries: list[Entry | None]
     comm: Communicator
+    host_comm: Communicator
     members: tuple[int, ...]
     rank: int
     number: int
@@ -89,12 +94,16 @@ class Executor(Protocol):
 
 
 def _inputs(run: Run) -> list[torch.Tensor]:
-    """Each entry's tensor; zeros of the agreed shape for a joined rank's part."""
+    """Each entry's tensor; zeros of the agreed shape for a joined rank's part (on the device
+    of this rank's other tensors, else where the communicator's buffers live)."""
+    held = [e.tensor for e in run.entries if e is not None and e.tensor is not None]
+    device = held[0].device if held else run.comm.device
     inputs = []
     for response, entry in zip(run.batch, run.entries):
         if entry is None or entry.tensor is None:
             template = response.template()
-            inputs.append(torch.zeros(template.shape, dtype=torch_dtype(template.dtype)))
+            shape, dtype = template.shape, torch_dtype(template.dtype)
+            inputs.append(torch.zeros(shape, dtype=dtype, device=device))
         else:
             inputs.append(entry.tensor)
     return inputs
@@ -118,7 +127,7 @@ class Allreduce:
         entries = run.entries
         head = run.head.template()
         inputs = _inputs(run)
-        device = inputs[0].device
+        target = run.comm.device
         tracer.open("MEMCPY_IN_FUSION_BUFFER")
         if len(inputs) == 1:
             flat = inputs[0].reshape(-1)
@@ -132,8 +141,8 @@ class Allreduce:
         op = ReduceOp.SUM if head.reduce_op == ReduceOp.AVERAGE else head.reduce_op
         work_dtype, work_op = compute_dtype(flat.dtype, op)
         work = flat
-        if work_dtype != flat.dtype or device.type != "cpu":
-            work = flat.to(device="cpu", dtype=work_dtype)
+        if work_dtype != flat.dtype or flat.device != target:
+            work = flat.to(device=target, dtype=work_dtype)
         work = scale(work, head.prescale)
         tracer.close()
         issued = tracer.now()
@@ -194,7 +203,7 @@ class AdasumAllreduce:
         issued = tracer.now()
         issued_s = run.counters.now()
         tracer.open("ADASUM")
-        adasum.allreduce(work, counts, run.comm)
+        adasum.allreduce(work, counts, run.host_comm)
         tracer.close()
         done = tracer.now()
         nbytes = work.numel() * inputs[0].element_size()
@@ -225,16 +234,17 @@ class Allgather:
         rows = [requests[r].shape[0] for r in run.members]
         rest = tuple(tensor.shape[1:])
         row_bytes = math.prod(rest) * tensor.element_size()
-        output = torch.empty((sum(rows), *rest), dtype=tensor.dtype)
-        source = as_bytes(tensor.cpu())
+        target = run.comm.device
+        output = torch.empty((sum(rows), *rest), dtype=tensor.dtype, device=target)
+        source = as_bytes(tensor.to(target))
         chunks = list(as_bytes(output).split([n * row_bytes for n in rows]))
         if len(set(rows)) == 1:
             run.comm.allgather(chunks, source)
         else:
             longest = max(rows) * row_bytes
-            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded = torch.zeros(longest, dtype=torch.uint8, device=target)
             padded[: source.numel()] = source
-            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in run.members]
+            gathered = [torch.empty(longest, dtype=torch.uint8, device=target) for _ in run.members]
             run.comm.allgather(gathered, padded)
             torch._foreach_copy_(chunks, [g[: c.numel()] for g, c in zip(gathered, chunks)])
         finish(entry, output.to(tensor.device))
@@ -255,10 +265,11 @@ class Broadcast:
         output = entry.output if entry.output is not None else entry.tensor
         if output is not entry.tensor:
             output.copy_(entry.tensor)
-        host = output if output.device.type == "cpu" else output.cpu()
-        run.comm.broadcast(as_bytes(host), run.members.index(run.head.template().root_rank))
-        if host is not output:
-            output.copy_(host)
+        target = run.comm.device
+        work = output if output.device == target else output.to(target)
+        run.comm.broadcast(as_bytes(work), run.members.index(run.head.template().root_rank))
+        if work is not output:
+            output.copy_(work)
         finish(entry, output)
 
 
@@ -289,8 +300,9 @@ class Alltoall:
         receive = [splits_of(r)[me] for r in members]
         rest = tuple(tensor.shape[1:])
         row_bytes = math.prod(rest) * tensor.element_size()
-        output = torch.empty((sum(receive), *rest), dtype=tensor.dtype)
-        source = as_bytes(tensor.cpu()[: sum(send)])
+        target = run.comm.device
+        output = torch.empty((sum(receive), *rest), dtype=tensor.dtype, device=target)
+        source = as_bytes(tensor.to(target)[: sum(send)])
         run.comm.alltoall(
             as_bytes(output),
             source,
@@ -323,13 +335,14 @@ class Reducescatter:
         rest = tuple(tensor.shape[1:])
         op = ReduceOp.SUM if request.reduce_op == ReduceOp.AVERAGE else request.reduce_op
         work_dtype, work_op = compute_dtype(tensor.dtype, op)
-        work = tensor.to(device="cpu", dtype=work_dtype)
+        target = run.comm.device
+        work = tensor.to(device=target, dtype=work_dtype)
         if work is tensor:
             work = tensor.clone()
         work = scale(work, request.prescale)
         row = math.prod(rest)
         chunks = list(work.reshape(-1).split([n * row for n in rows]))
-        output = torch.empty(rows[me] * row, dtype=work_dtype)
+        output = torch.empty(rows[me] * row, dtype=work_dtype, device=target)
         run.comm.reducescatter(output, chunks, work_op)
         divisor = count if request.reduce_op == ReduceOp.AVERAGE else 1
         output = postscale(output, divisor, request.postscale)

@@ -25,6 +25,8 @@ from hora.common.engine import steady
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.buffers import (
     destination,
+    on_default_stream,
+    read_landed,
     referenced_beyond,
     scale,
     storage_references,
@@ -78,7 +80,8 @@ class Replay:
         intake: the engine's intake (its lock guards the schedule's shared state).
         settings: engine settings.
         rank, size: this rank and the job's size.
-        comm: the global set's communicator (batches run on it).
+        comm_for: the global set's communicator for a device type (``"cpu"``, ``"cuda"``): a
+            batch runs on the one for its tensors' device, in buffers on its device.
         control: the control communicator (autotune agrees on its scores there).
         store: the job's store (stall records), and ``keys`` its generation's keys.
         tracer: the engine's timeline.
@@ -99,7 +102,7 @@ class Replay:
         settings: Settings,
         rank: int,
         size: int,
-        comm: Communicator,
+        comm_for: Callable[[str], Communicator],
         control: Communicator,
         store: StoreClient,
         keys: GenerationKeys,
@@ -111,7 +114,7 @@ class Replay:
         self._settings = settings
         self.rank = rank
         self.size = size
-        self._comm = comm
+        self._comm_for = comm_for
         self._control = control
         self._store = store
         self._keys = keys
@@ -124,13 +127,10 @@ class Replay:
         # HORA_STALL_SHUTDOWN_TIME_SECONDS (the job then ends as a stalled one would), or days
         # where that is 0. Dead peers are still noticed at once (a closed connection, the
         # launcher's record of the exit).
-        shutdown_s = settings.stall_shutdown_time_s
-        if not settings.stall_check_enabled or shutdown_s < settings.stall_check_time_s:
-            shutdown_s = 0.0
-        self._steady_shutdown_s = shutdown_s
+        self._steady_shutdown_s = steady_shutdown_s(settings)
         # How long a steady-state wait lasts before it counts as a stall (0: never).
         self._stall_after_s = settings.stall_check_time_s if settings.stall_check_enabled else 0.0
-        self._steady_timeout_s = shutdown_s if shutdown_s > 0 else PARKED_WAIT_S
+        self._steady_timeout_s = steady_batch_timeout_s(settings)
         self.history = steady.History()
         self.schedule: steady.Schedule | None = None
         # The batch whose allreduce runs while the next one fills.
@@ -249,7 +249,9 @@ class Replay:
         # One buffer per batch, reused every period (no allocation, no page faults per step);
         # after the data, one slot per rank for its code (see hora.common.engine.steady).
         for batch, counts in zip(schedule.batches, schedule.sizes):
-            batch_buffer = _batch_buffer(batch, counts, self.size)
+            comm = self._comm_for(batch[0].device)
+            batch_buffer = _batch_buffer(batch, counts, self.size, comm.device)
+            schedule.comms.append(comm)
             schedule.batch_buffers.append(batch_buffer)
             schedule.pieces.update(batch_buffer.pieces)
             factor = batch[0].prescale
@@ -281,7 +283,12 @@ class Replay:
             return
         spare = schedule.spares.get(number)
         if spare is None or _in_use(spare):
-            spare = _batch_buffer(schedule.batches[number], schedule.sizes[number], self.size)
+            spare = _batch_buffer(
+                schedule.batches[number],
+                schedule.sizes[number],
+                self.size,
+                schedule.comms[number].device,
+            )
             self.stats["buffers"] += 1
         schedule.batch_buffers[number] = spare
         schedule.pieces.update(spare.pieces)
@@ -409,7 +416,7 @@ class Replay:
         flight.issued_s = self._counters.now()
         flight.on_the_wire = self._tracer.begin("ALLREDUCE")
         try:
-            flight.pending = self._comm.allreduce_async(
+            flight.pending = schedule.comms[position].allreduce_async(
                 buffer, ReduceOp.SUM, self._steady_timeout_s
             )
         except TransportError:
@@ -438,15 +445,15 @@ class Replay:
         self._tracer.finish(flight.on_the_wire)
         timeline = self._tracer.timeline
         done = timeline.now() if timeline is not None else 0
-        codes = schedule.batch_buffers[flight.position].codes
-        if bool(codes.any()):
+        codes = read_landed(schedule.batch_buffers[flight.position].codes)
+        if any(codes):
             with self._intake.wakeup:
                 schedule.in_flight.discard(flight.position)
             self._abort_following(schedule, following)
             entries = flight.entries + (following.entries if following else [])
             deviation = flight.deviation or (following.deviation if following else None)
             batch = schedule.batches[flight.position]
-            self._leave(deviation, entries, batch, [int(c) for c in codes.tolist()])
+            self._leave(deviation, entries, batch, codes)
             return
         self.stats["batches"] += 1
         # The average's division happened before the sum (see Schedule.factors).
@@ -536,7 +543,7 @@ class Replay:
         elif self._may_overlap(schedule):
             self._started_batches += 1
             empty = torch.zeros_like(schedule.batch_buffers[schedule.position].buffer)
-            comm = self._comm
+            comm = schedule.comms[schedule.position]
             comm.allreduce_async(empty, ReduceOp.SUM, self._steady_timeout_s).wait()
 
     def _collect_batch(
@@ -682,6 +689,22 @@ class Replay:
         )
 
 
+def steady_shutdown_s(settings: Settings) -> float:
+    """How long a steady-state batch may wait for its peers before the job ends as stalled
+    (``HORA_STALL_SHUTDOWN_TIME_SECONDS``; 0: no such limit)."""
+    shutdown_s = settings.stall_shutdown_time_s
+    if not settings.stall_check_enabled or shutdown_s < settings.stall_check_time_s:
+        return 0.0
+    return shutdown_s
+
+
+def steady_batch_timeout_s(settings: Settings) -> float:
+    """The time limit a steady-state batch's allreduce is started with (the longest limit of
+    any operation the engine starts)."""
+    shutdown_s = steady_shutdown_s(settings)
+    return shutdown_s if shutdown_s > 0 else PARKED_WAIT_S
+
+
 def _deliver(
     entries: list[Entry], data: torch.Tensor, pieces: dict[str, torch.Tensor], factor: float
 ) -> bool:
@@ -774,12 +797,17 @@ def _stage(schedule: steady.Schedule, staged: list[tuple[int, str, torch.Tensor]
         if not schedule.scale_each[number]:
             targets.append(piece)
             sources.append(source)
-        elif source.device == piece.device:
-            torch.mul(source, schedule.factors[number], out=piece)
         else:
-            piece.copy_(source).mul_(schedule.factors[number])
+            with on_default_stream(piece):
+                if source.device == piece.device:
+                    torch.mul(source, schedule.factors[number], out=piece)
+                else:
+                    piece.copy_(source).mul_(schedule.factors[number])
     if targets:
-        torch._foreach_copy_(targets, sources)
+        # CUDA buffers are filled on the default stream, which the submitting call made wait
+        # for the caller's stream, and after which NCCL runs the batch.
+        with on_default_stream(targets[0]):
+            torch._foreach_copy_(targets, sources)
 
 
 class _BatchBuffer(NamedTuple):
@@ -792,10 +820,13 @@ class _BatchBuffer(NamedTuple):
     baseline: tuple[int, int]
 
 
-def _batch_buffer(batch: list[Request], counts: list[int], ranks: int) -> _BatchBuffer:
-    """Allocate a batch's buffer: its tensors' data, then one slot per rank for its code."""
+def _batch_buffer(
+    batch: list[Request], counts: list[int], ranks: int, device: torch.device
+) -> _BatchBuffer:
+    """Allocate a batch's buffer on ``device``: its tensors' data, then one slot per rank for
+    its code."""
     total = sum(counts)
-    buffer = torch.empty(total + ranks, dtype=torch_dtype(batch[0].dtype))
+    buffer = torch.empty(total + ranks, dtype=torch_dtype(batch[0].dtype), device=device)
     pieces = {}
     offset = 0
     for request, count in zip(batch, counts):

@@ -95,6 +95,8 @@ class Schedule:
     # Per batch: its buffer and the engine's views of it (the data, the ranks' codes, each
     # tensor's piece), reused every period; see hora.common.engine.replay._BatchBuffer.
     batch_buffers: list[Any] = field(default_factory=list)
+    # The communicator each batch runs on (its buffers live on that communicator's device).
+    comms: list[Any] = field(default_factory=list)
     # Per name: its piece of its batch's current buffer (a view shaped as the tensor).
     pieces: dict[str, Any] = field(default_factory=dict)
     # Per batch: the elements of each of its tensors, in order.

@@ -1,7 +1,8 @@
 """The transport interface: collectives on flat, contiguous buffers among the members of one set.
 
 The engine talks only to :class:`Communicator`. Implementations wrap a real library
-(``torch.distributed`` process groups today); hora never writes its own network transport.
+(``torch.distributed``'s Gloo and NCCL backends, mpi4py); hora never writes its own network
+transport.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ class Communicator(Protocol):
     """Collectives among the members of one process set.
 
     ``rank`` and ``size`` are within the set. Every method blocks until the operation is done
-    and raises :class:`TransportError` on failure. Buffers are torch tensors on the CPU.
+    and raises :class:`TransportError` on failure. Buffers are contiguous torch tensors on
+    ``device``: the CPU, or this process's GPU for a NCCL communicator.
     """
 
     rank: int
     size: int
+    device: torch.device
 
     def allreduce(self, buffer: Any, op: ReduceOp) -> None:
         """Reduce ``buffer`` element-wise across members, in place (Sum, Min, Max or Product)."""
@@ -129,10 +132,11 @@ def _peer_tag(key: bytes, scope: str, sender: int, recipient: int, nonce: bytes)
 def _swap_blocks(comm: Communicator, blocks: bytes, width: int) -> bytes:
     """Send block j (``width`` bytes) of ``blocks`` to member j; the blocks received, in member
     order."""
-    received = torch.empty(width * comm.size, dtype=torch.uint8)
+    received = torch.empty(width * comm.size, dtype=torch.uint8, device=comm.device)
     counts = [width] * comm.size
-    comm.alltoall(received, torch.frombuffer(bytearray(blocks), dtype=torch.uint8), counts, counts)
-    return received.numpy().tobytes()
+    sent = torch.frombuffer(bytearray(blocks), dtype=torch.uint8).to(comm.device)
+    comm.alltoall(received, sent, counts, counts)
+    return received.cpu().numpy().tobytes()
 
 
 def prove_peers(comm: Communicator, secret: str, scope: str) -> None:

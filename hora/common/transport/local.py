@@ -62,6 +62,7 @@ class LocalCommunicator:
         self._shared = shared
         self.rank = rank
         self.size = shared.size
+        self.device = torch.device("cpu")
         self._sequence = 0
         self._pairs: dict[tuple[int, int], int] = {}
 

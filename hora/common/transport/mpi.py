@@ -260,6 +260,7 @@ class MPICommunicator:
         self._mpi = mpi
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
+        self.device = torch.device("cpu")
         self._timeout_s = timeout_s
         self._aborted = False
         self._closed = False

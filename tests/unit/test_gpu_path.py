@@ -1,0 +1,47 @@
+"""The choice of a data path for CUDA tensors, as far as it can be checked without a GPU.
+
+The NCCL path itself runs in tests/multiproc/test_cuda.py where GPUs are visible.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hora.torch as hvd
+from hora.common.config import SettingError, Settings
+from hora.common.transport import TransportError
+from hora.common.transport.nccl import NCCLCommunicator, nccl_available, shared_gpus
+
+
+@pytest.mark.timeout(30)
+def test_gpu_operations_default_to_nccl_and_read_horovods_variable() -> None:
+    assert Settings.from_env({}).gpu_operations == "nccl"
+    assert Settings.from_env({"HOROVOD_GPU_OPERATIONS": "NCCL"}).gpu_operations == "nccl"
+    assert Settings.from_env({"HORA_GPU_OPERATIONS": "host"}).gpu_operations == "host"
+
+
+@pytest.mark.timeout(30)
+def test_an_unknown_gpu_path_is_refused_naming_the_choices() -> None:
+    with pytest.raises(SettingError, match="HORA_GPU_OPERATIONS must be one of nccl, host"):
+        Settings.from_env({"HORA_GPU_OPERATIONS": "mpi"})
+
+
+@pytest.mark.timeout(30)
+def test_nccl_built_says_whether_torch_has_nccl() -> None:
+    assert hvd.nccl_built() == int(dist.is_available() and dist.is_nccl_available())
+
+
+@pytest.mark.timeout(30)
+def test_members_on_one_gpu_are_found_in_groups() -> None:
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-c"]) == []
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-a", "GPU-b", "GPU-c"]) == [[0, 2], [1, 3]]
+    assert shared_gpus(["GPU-a"] * 3) == [[0, 1, 2]]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(nccl_available(), reason="NCCL is available here")
+def test_a_nccl_group_without_nccl_says_what_to_set_instead() -> None:
+    with pytest.raises(TransportError, match="HORA_GPU_OPERATIONS=host"):
+        NCCLCommunicator(None, 0, 2, 30.0, torch.device("cuda", 0))
