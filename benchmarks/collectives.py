@@ -33,7 +33,17 @@ and with torch.distributed's Gloo beside them (MPI vs Gloo on this machine)::
 
     .venv/bin/python benchmarks/collectives.py --transport mpi [--np N] [--json results.json]
 
-``--transport nccl`` needs CUDA GPUs and hora's NCCL data path; without them it says so.
+``--transport nccl`` measures hora's NCCL data path on CUDA tensors: every worker pins GPU
+``local_rank % device_count``, runs hora with ``HORA_GPU_OPERATIONS=nccl`` and, beside it,
+torch.distributed's default group with CUDA tensors on NCCL (CPU tensors, such as the gathered
+timings, on Gloo), and compares their allreduce bus bandwidth on CUDA float32 buffers of 1 to
+256 MiB (goal: hora >= 0.95x raw from 16 MiB up). Each timed call ends with
+``torch.cuda.synchronize()``, and the block's lead-in call (after its barrier) does too, so a
+time covers the whole collective. It starts one worker per visible GPU unless ``--np`` says
+otherwise, and needs at least two, each with a GPU of its own; without CUDA, NCCL or hora's
+NCCL data path it says why and exits with status 2::
+
+    .venv/bin/python benchmarks/collectives.py --transport nccl [--np N] [--json results.json]
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ KIB = 1024
 # Allreduce sizes in bytes, and how many times each is timed (per library).
 BANDWIDTH_REPS = {1 * MIB: 60, 4 * MIB: 40, 16 * MIB: 24, 64 * MIB: 12}
 BANDWIDTH_GOAL = 0.95
+# --transport nccl: CUDA float32 allreduce sizes and repetitions, and where the goal starts.
+NCCL_BANDWIDTH_REPS = {1 * MIB: 100, 4 * MIB: 80, 16 * MIB: 60, 64 * MIB: 40, 256 * MIB: 20}
+GOAL_FROM_BYTES = 16 * MIB
 FUSION_TENSORS = 300
 FUSION_ELEMENTS = 256  # 1 KiB of float32
 FUSION_GOAL = 5.0
@@ -90,7 +103,11 @@ Op = Callable[[], object]
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--np", type=int, default=2, help="workers to start when not run under horarun"
+        "--np",
+        type=int,
+        default=None,
+        help="workers to start when not run under horarun (default 2; with --transport nccl, "
+        "one per visible GPU)",
     )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
     parser.add_argument(
@@ -106,7 +123,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="FACTOR",
         help="scale every repetition count (e.g. 0.2 for a quick check)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.np is None:
+        args.np = default_workers(args.transport)
+    return args
+
+
+def default_workers(transport: str) -> int:
+    """Workers to start: one per visible GPU for NCCL, else 2."""
+    if transport == "nccl" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
 
 
 def relaunch(args: argparse.Namespace) -> int:
@@ -590,17 +617,164 @@ def mpi_worker(args: argparse.Namespace) -> None:
     hvd.shutdown()
 
 
-def nccl_unavailable() -> str:
-    """Why ``--transport nccl`` cannot run here."""
-    if not torch.cuda.is_available():
+def nccl_unavailable() -> str | None:
+    """Why ``--transport nccl`` cannot run here (``None``: it can)."""
+    reason = harness.nccl_unavailable("--transport nccl")
+    return None if reason is None else f"{reason} Measure --transport gloo or mpi instead."
+
+
+def nccl_workers_unfit(np: int) -> str | None:
+    """Why ``np`` workers on this host cannot share its GPUs over NCCL (``None``: they can)."""
+    gpus = torch.cuda.device_count()
+    if np < 2 or np > gpus:
         return (
-            "--transport nccl needs CUDA GPUs, and this machine's PyTorch sees none "
-            f"(torch {torch.__version__}); run it on a GPU host, one worker per GPU."
+            f"--transport nccl needs 2 or more workers with a GPU each: --np {np}, and this "
+            f"host has {gpus} GPU(s) (NCCL does not put two ranks on one GPU)."
         )
-    return (
-        "--transport nccl: this hora has no NCCL data path yet (CUDA tensors are staged "
-        "through host memory); measure --transport gloo or --transport mpi."
+    return None
+
+
+def cuda_synced(op: Op) -> Op:
+    """``op`` followed by ``torch.cuda.synchronize()``: its time covers the GPU's work too."""
+
+    def run() -> None:
+        op()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def check_cuda_results(size: int, device: torch.device) -> None:
+    """hora and raw NCCL sum CUDA tensors correctly, leaving them on this GPU (once)."""
+    expected = float(size * (size + 1) // 2)
+    mine = torch.full((FUSION_ELEMENTS,), float(dist.get_rank() + 1), device=device)
+    raw = mine.clone()
+    dist.all_reduce(raw)
+    single = hvd.allreduce_(mine.clone(), op=hvd.Sum, name="check.cuda")
+    torch.cuda.synchronize()
+    for result in (raw, single):
+        if result.device != device:
+            raise RuntimeError(f"allreduce moved a tensor from {device} to {result.device}")
+        if not torch.equal(result, torch.full_like(result, expected)):
+            raise RuntimeError(f"wrong allreduce result: {result[:4].tolist()} != {expected}")
+
+
+def bench_nccl_bandwidth(
+    timer: Comparison, factor: float, device: torch.device
+) -> list[dict[str, Any]]:
+    """One large in-place CUDA float32 allreduce at a time: hora over NCCL, raw NCCL."""
+    size = dist.get_world_size()
+    rows = []
+    for nbytes, base_reps in NCCL_BANDWIDTH_REPS.items():
+        # Zeros stay zeros however often they are summed: no overflow, no denormals.
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        hora_times, raw_times = timer.run(
+            cuda_synced(hora_allreduce(tensor, f"bandwidth.{nbytes}")),
+            cuda_synced(raw_allreduce(tensor)),
+            scaled(base_reps, factor),
+            warmup=3,
+            block=5,
+        )
+        hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
+        bus_bytes = 2 * (size - 1) / size * nbytes
+        ratio = raw_s / hora_s
+        goal_applies = nbytes >= GOAL_FROM_BYTES
+        rows.append(
+            {
+                "bytes": nbytes,
+                "hora_s": hora_s,
+                "raw_s": raw_s,
+                "hora_nccl_busbw_GBps": bus_bytes / hora_s / 1e9,
+                "raw_nccl_busbw_GBps": bus_bytes / raw_s / 1e9,
+                "ratio": ratio,
+                "goal": f"hora/raw NCCL bus bandwidth >= {BANDWIDTH_GOAL}" if goal_applies else "",
+                "pass": ratio >= BANDWIDTH_GOAL or not goal_applies,
+                "hora_samples_s": hora_times,
+                "raw_samples_s": raw_times,
+            }
+        )
+        del tensor
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_nccl_table(results: dict[str, Any]) -> str:
+    header = ("allreduce busbw", "hora nccl", "raw nccl", "hora/raw", "goal")
+    rows = []
+    for row in results["allreduce_bandwidth"]:
+        goal = f">= {BANDWIDTH_GOAL}x {harness.verdict(row['pass'])}" if row["goal"] else "-"
+        rows.append(
+            (
+                size_label(row["bytes"]),
+                f"{row['hora_nccl_busbw_GBps']:.2f} GB/s",
+                f"{row['raw_nccl_busbw_GBps']:.2f} GB/s",
+                f"{row['ratio']:.3f}x",
+                goal,
+            )
+        )
+    title = (
+        f"hora {results['hora_version']} ({results['hora_revision']}) over NCCL "
+        f"(HORA_GPU_OPERATIONS=nccl) vs torch.distributed nccl (torch {results['torch_version']}, "
+        f"NCCL {results['nccl_version']}), {results['world_size']} ranks on {results['gpu']}; "
+        "CUDA float32, medians, slowest rank"
     )
+    notes = (
+        "busbw = 2 (n-1)/n x bytes / time; each call timed up to torch.cuda.synchronize()\n"
+        f"run time {results['elapsed_s']:.1f} s; load average "
+        f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after"
+    )
+    goals = [r for r in results["allreduce_bandwidth"] if r["goal"]]
+    summary = f"goals met: {sum(r['pass'] for r in goals)}/{len(goals)}"
+    return "\n".join([title, *harness.table(header, rows), notes, summary])
+
+
+def nccl_version() -> str:
+    nccl: Any = torch.cuda.nccl
+    version = nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def nccl_worker(args: argparse.Namespace) -> None:
+    """hora's NCCL data path against raw torch.distributed NCCL, on this worker's GPU."""
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    # The path measured: hora's collectives on CUDA tensors run on NCCL.
+    os.environ["HORA_GPU_OPERATIONS"] = "nccl"
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if hvd.local_size() > torch.cuda.device_count():
+        raise SystemExit(
+            f"--transport nccl: {hvd.local_size()} workers on this host share "
+            f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per worker."
+        )
+    device = harness.local_gpu()
+    harness.init_raw_group(
+        rank, size, RAW_PREFIX, timeout_s=120, backend=harness.NCCL_BACKEND, device_id=device
+    )
+    check_cuda_results(size, device)
+    cycle_time_ms = Settings.from_env().cycle_time_ms
+    timer = Comparison(settle_s=max(0.05, 10 * cycle_time_ms / 1000))
+    results: dict[str, Any] = {
+        "hora_version": hora.__version__,
+        "hora_revision": harness.source_revision() if rank == 0 else None,
+        "torch_version": torch.__version__,
+        "nccl_version": nccl_version(),
+        "gpu": torch.cuda.get_device_name(device),
+        "world_size": size,
+        "load_before": load_before,
+        "cycle_time_ms": cycle_time_ms,
+        "allreduce_bandwidth": bench_nccl_bandwidth(timer, args.repeats, device),
+    }
+    dist.barrier()
+    results["elapsed_s"] = time.perf_counter() - started
+    results["load_after"] = os.getloadavg()
+    if rank == 0:
+        print(format_nccl_table(results), flush=True)
+        if args.json:
+            harness.write_json(args.json, results)
+    dist.barrier()
+    dist.destroy_process_group()
+    hvd.shutdown()
 
 
 # ---------------------------------------------------------------- main
@@ -643,10 +817,19 @@ def worker(args: argparse.Namespace) -> None:
     hvd.shutdown()
 
 
+def nccl_refusal(args: argparse.Namespace) -> str | None:
+    """Why this ``--transport nccl`` run cannot go ahead (``None``: it can)."""
+    reason = nccl_unavailable()
+    if reason is None and "HORA_RANK" not in os.environ:
+        reason = nccl_workers_unfit(args.np)
+    return reason
+
+
 def main() -> int:
     args = parse_args()
-    if args.transport == "nccl":
-        print(nccl_unavailable(), file=sys.stderr)
+    reason = nccl_refusal(args) if args.transport == "nccl" else None
+    if reason is not None:
+        print(reason, file=sys.stderr)
         return 2
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ
     if args.transport == "mpi" and "HORA_RANK" in os.environ:
@@ -660,6 +843,8 @@ def main() -> int:
         return relaunch(args)
     if args.transport == "mpi":
         mpi_worker(args)
+    elif args.transport == "nccl":
+        nccl_worker(args)
     else:
         worker(args)
     return 0

@@ -27,12 +27,24 @@ def relaunch(script: str, np: int, forwarded: list[str]) -> int:
 _raw_store: list[Any] = []
 
 
-def init_raw_group(rank: int, size: int, prefix: str, timeout_s: float) -> None:
-    """torch.distributed's default group on Gloo, beside hora (call it after ``hvd.init()``).
+def init_raw_group(
+    rank: int,
+    size: int,
+    prefix: str,
+    timeout_s: float,
+    backend: str = "gloo",
+    device_id: torch.device | None = None,
+) -> None:
+    """torch.distributed's default group beside hora (call it after ``hvd.init()``).
 
     The job's own store only speaks hora's authenticated protocol, so rank 0 hosts a plain
     ``TCPStore`` for the raw group on a free port and sends its address to the others with
     hora's ``broadcast_object``; the group's keys live under ``prefix``.
+
+    ``backend`` is Gloo by default; ``"nccl"`` builds a NCCL group, and ``"cpu:gloo,cuda:nccl"``
+    one that runs CUDA tensors over NCCL and CPU tensors (barriers, the timings that
+    ``slowest_rank`` gathers) over Gloo. ``device_id`` binds a NCCL group to this worker's GPU,
+    which also connects its communicator now rather than on the first collective.
     """
     import socket
 
@@ -49,12 +61,41 @@ def init_raw_group(rank: int, size: int, prefix: str, timeout_s: float) -> None:
         store = dist.TCPStore(where[0], where[1], size, False, timeout)
     _raw_store.append(store)
     dist.init_process_group(
-        "gloo",
+        backend,
         store=dist.PrefixStore(prefix, store),
         rank=rank,
         world_size=size,
         timeout=timeout,
+        device_id=device_id,
     )
+
+
+# A default group with CUDA tensors on NCCL and CPU ones (barriers' fallbacks, the timings that
+# ``slowest_rank`` gathers) on Gloo.
+NCCL_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def nccl_unavailable(option: str) -> str | None:
+    """Why ``option`` (a benchmark's GPU mode) cannot run here: no CUDA GPU, or a PyTorch
+    without NCCL (``None``: it can; hora's NCCL data path comes with PyTorch's NCCL)."""
+    if not torch.cuda.is_available():
+        return (
+            f"{option} needs CUDA GPUs, and this machine's PyTorch sees none "
+            f"(torch {torch.__version__}); run it on a GPU host, one worker per GPU."
+        )
+    if not dist.is_nccl_available():
+        return f"{option}: this PyTorch (torch {torch.__version__}) is built without NCCL."
+    return None
+
+
+def local_gpu() -> torch.device:
+    """This worker's GPU, local rank modulo the visible GPUs, made the current CUDA device
+    (call it after ``hvd.init()``)."""
+    import hora.torch as hvd
+
+    index = hvd.local_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def slowest_rank(times: list[float]) -> list[float]:

@@ -7,7 +7,7 @@ Run it with::
 or let it start the job itself (through ``horarun``, 2 workers unless ``--np`` says otherwise)::
 
     .venv/bin/python benchmarks/training.py [--models mlp resnet transformer] [--iters N]
-        [--batch-size B] [--np N] [--json results.json]
+        [--batch-size B] [--np N] [--device cpu|cuda] [--json results.json]
 
 Three reference models train on synthetic data (a fixed random batch per rank, the same on every
 run): an MLP on 784-dim inputs, a small ResNet on 3x32x32 images and a small transformer encoder
@@ -32,6 +32,17 @@ blocks that start with a barrier and one untimed step; the modes' blocks alterna
 DDP, DDP, hora, single, ...) so that drift in the machine's load hits all alike. Goal: hora's
 throughput >= 1.05x DDP's. Rank 0 prints the table, with a breakdown of rank 0's median step into
 forward, backward and ``step()``; ``--json PATH`` also writes every sample there.
+
+``--device cuda`` trains on GPUs instead (the default is ``--device cpu``, as above): each worker
+uses GPU ``local_rank % device_count`` for its models and batches, the single-process mode
+included; DDP runs over a default group on NCCL (``device_ids=[gpu]``; the CPU tensors of the
+timing gather go over Gloo) and hora over its NCCL data path (``HORA_GPU_OPERATIONS=nccl`` unless
+the environment sets it). Forward, backward and ``step()`` each end with
+``torch.cuda.synchronize()``, so a step's time covers the GPU's work. It starts one worker per
+visible GPU unless ``--np`` says otherwise. Goal: hora's throughput >= 1.0x DDP's. Without CUDA
+GPUs, NCCL or hora's NCCL data path it says why and exits with status 2::
+
+    .venv/bin/python benchmarks/training.py --device cuda [--models ...] [--np N]
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 GOAL = 1.05  # hora throughput / DDP throughput
+GOALS = {"cpu": GOAL, "cuda": 1.0}  # the same, by --device
 RAW_PREFIX = "raw-train-bench/"
 SEED = 1234
 LEARNING_RATE = 0.01
@@ -222,7 +234,17 @@ MODELS = {
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--np", type=int, default=2, help="workers to start when not run under horarun"
+        "--np",
+        type=int,
+        default=None,
+        help="workers to start when not run under horarun (default 2; with --device cuda, "
+        "one per visible GPU)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="train on CPUs (DDP over Gloo) or on GPUs (DDP and hora over NCCL) (default cpu)",
     )
     parser.add_argument(
         "--models",
@@ -261,6 +283,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0 or args.hora_groups < 0:
         parser.error("--warmup and --hora-groups must not be negative")
+    if args.np is None:
+        cuda = args.device == "cuda" and torch.cuda.is_available()
+        args.np = torch.cuda.device_count() if cuda else 2
     return args
 
 
@@ -268,7 +293,7 @@ def relaunch(args: argparse.Namespace) -> int:
     """Start this script on ``args.np`` workers through horarun and return its exit status."""
     forwarded = ["--models", *args.models, "--iters", str(args.iters)]
     forwarded += ["--warmup", str(args.warmup), "--block", str(args.block)]
-    forwarded += ["--hora-groups", str(args.hora_groups)]
+    forwarded += ["--hora-groups", str(args.hora_groups), "--device", args.device]
     if args.batch_size is not None:
         forwarded += ["--batch-size", str(args.batch_size)]
     if args.json:
@@ -276,26 +301,48 @@ def relaunch(args: argparse.Namespace) -> int:
     return harness.relaunch(__file__, args.np, forwarded)
 
 
-def init_raw_group(rank: int, size: int) -> None:
-    harness.init_raw_group(rank, size, RAW_PREFIX, timeout_s=300)
+def init_raw_group(rank: int, size: int, device: torch.device) -> None:
+    """The default group DDP runs on: Gloo, or, on a GPU, NCCL (bound to ``device``)."""
+    if device.type == "cuda":
+        harness.init_raw_group(
+            rank, size, RAW_PREFIX, 300, backend=harness.NCCL_BACKEND, device_id=device
+        )
+    else:
+        harness.init_raw_group(rank, size, RAW_PREFIX, timeout_s=300)
+
+
+def no_sync() -> None:
+    """A CPU step's parts end when their calls return."""
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What ends a timed part of a step on ``device``: waiting for the GPU, or nothing."""
+    return torch.cuda.synchronize if device.type == "cuda" else no_sync
 
 
 # ---------------------------------------------------------------- training
 
 
 def make_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    sync: Callable[[], None] = no_sync,
 ) -> Step:
-    """One training step on a fixed batch, timed in its three parts."""
+    """One training step on a fixed batch, timed in its three parts (each ends with ``sync``)."""
 
     def step() -> tuple[float, float, float]:
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), labels)
+        sync()
         forward_end = time.perf_counter()
         loss.backward()
+        sync()
         backward_end = time.perf_counter()
         optimizer.step()
+        sync()
         end = time.perf_counter()
         return forward_end - start, backward_end - forward_end, end - backward_end
 
@@ -345,25 +392,37 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def build_modes(
-    spec: ModelSpec, batch_size: int, rank: int, size: int, hora_groups: int = 0
+    spec: ModelSpec,
+    batch_size: int,
+    rank: int,
+    size: int,
+    hora_groups: int = 0,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, Mode], nn.Module]:
-    """The three modes of one model, each on its own copy of the same seeded initialisation.
+    """The three modes of one model, each on its own copy of the same seeded initialisation, on
+    ``device`` (the CPU by default).
 
     Returns:
         (modes by name, the bare module that DDP wraps).
     """
+    device = device or torch.device("cpu")
     copies = []
     for _ in MODES:
         torch.manual_seed(SEED)
-        copies.append(spec.build())
+        copies.append(spec.build().to(device))
     single_model, ddp_module, hora_model = copies
+    # The batch is drawn on the CPU, so that every device trains on the same data.
     generator = torch.Generator().manual_seed(SEED + 1 + rank)
-    inputs = spec.make_inputs(batch_size, generator)
-    labels = torch.randint(0, CLASSES, (batch_size,), generator=generator)
+    inputs = spec.make_inputs(batch_size, generator).to(device)
+    labels = torch.randint(0, CLASSES, (batch_size,), generator=generator).to(device)
+    sync = device_sync(device)
 
-    single_step = make_step(single_model, sgd(single_model), inputs, labels) if rank == 0 else None
+    single_step = (
+        make_step(single_model, sgd(single_model), inputs, labels, sync) if rank == 0 else None
+    )
     # Buffers (BatchNorm statistics) stay rank-local after the initial sync, as with hora.
-    ddp_model = DistributedDataParallel(ddp_module, **NO_BUFFER_SYNC)
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp_model = DistributedDataParallel(ddp_module, device_ids=device_ids, **NO_BUFFER_SYNC)
     optimizer = hvd.DistributedOptimizer(
         sgd(hora_model),
         named_parameters=hora_model.named_parameters(),
@@ -372,8 +431,12 @@ def build_modes(
     hvd.broadcast_parameters(hora_model.state_dict(), root_rank=0)
     modes = {
         "single": Mode("single", single_step, 1, single_model),
-        "ddp": Mode("ddp", make_step(ddp_model, sgd(ddp_model), inputs, labels), size, ddp_module),
-        "hora": Mode("hora", make_step(hora_model, optimizer, inputs, labels), size, hora_model),
+        "ddp": Mode(
+            "ddp", make_step(ddp_model, sgd(ddp_model), inputs, labels, sync), size, ddp_module
+        ),
+        "hora": Mode(
+            "hora", make_step(hora_model, optimizer, inputs, labels, sync), size, hora_model
+        ),
     }
     return modes, ddp_module
 
@@ -453,10 +516,16 @@ def ranks_agree(module: nn.Module) -> bool:
 
 
 def bench_model(
-    spec: ModelSpec, args: argparse.Namespace, timer: Alternation, rank: int, size: int
+    spec: ModelSpec,
+    args: argparse.Namespace,
+    timer: Alternation,
+    rank: int,
+    size: int,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     batch_size = args.batch_size or spec.batch_size
-    modes, ddp_module = build_modes(spec, batch_size, rank, size, args.hora_groups)
+    device = device or torch.device("cpu")
+    modes, ddp_module = build_modes(spec, batch_size, rank, size, args.hora_groups, device)
     timer.run(modes, args.iters, args.warmup, args.block)
     parameters = list(modes["hora"].module.parameters())
     row: dict[str, Any] = {
@@ -486,8 +555,9 @@ def bench_model(
     row["ratio"] = hora_rate / ddp_rate
     row["hora_efficiency"] = hora_rate / (size * single)
     row["ddp_efficiency"] = ddp_rate / (size * single)
-    row["goal"] = f"hora samples/s >= {GOAL:g}x DDP"
-    row["pass"] = row["ratio"] >= GOAL
+    goal = GOALS[device.type]
+    row["goal"] = f"hora samples/s >= {goal:g}x DDP"
+    row["pass"] = row["ratio"] >= goal
     # Both trained the same number of steps on the same data from the same start.
     hora_params = flat_parameters(modes["hora"].module)
     row["hora_vs_ddp_max_abs_diff"] = float((hora_params - flat_parameters(ddp_module)).abs().max())
@@ -525,14 +595,15 @@ def format_table(results: dict[str, Any]) -> str:
             f"{r['ratio']:.3f}x",
             f"{r['hora_efficiency']:.0%}",
             f"{r['ddp_efficiency']:.0%}",
-            f"hora >= {GOAL:g}x DDP",
+            f"hora >= {results['goal']:g}x DDP",
             harness.verdict(r["pass"]),
         )
         for r in results["models"]
     ]
     title = (
         f"hora {results['hora_version']} ({results['hora_revision']}) vs PyTorch DDP "
-        f"(torch {results['torch_version']}, gloo), {size} ranks, "
+        f"(torch {results['torch_version']}, {results['ddp_backend']}), {size} ranks, "
+        f"{results['device_label']}"
         f"{batch_label(results['batch_size'])}, 1 thread per process; hora: cycle time {results['cycle_time_ms']:g} ms, "
         f"fusion threshold {results['fusion_threshold_bytes']} B, groups "
         f"{results['hora_groups'] or 'none'}; medians of {results['iters']} steps, slowest rank"
@@ -586,13 +657,38 @@ def format_table(results: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- main
 
 
+def worker_device(device_type: str) -> torch.device:
+    """The device this worker trains on: the CPU, or its GPU (call it after ``hvd.init()``)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    if hvd.local_size() > torch.cuda.device_count():
+        raise SystemExit(
+            f"--device cuda: {hvd.local_size()} workers on this host share "
+            f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per worker."
+        )
+    return harness.local_gpu()
+
+
+def device_label(device: torch.device) -> str:
+    """How the report names the device (nothing on the CPU, as before ``--device``)."""
+    if device.type != "cuda":
+        return ""
+    path = os.environ.get("HORA_GPU_OPERATIONS", "default")
+    return f"on {torch.cuda.get_device_name(device)} GPUs (HORA_GPU_OPERATIONS={path}), "
+
+
 def worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     load_before = os.getloadavg()
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        # hora's NCCL data path for CUDA tensors, unless the environment picks another.
+        os.environ.setdefault("HORA_GPU_OPERATIONS", "nccl")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    init_raw_group(rank, size)
+    device = worker_device(args.device)
+    init_raw_group(rank, size, device)
+    gpu_operations = os.environ.get("HORA_GPU_OPERATIONS") if device.type == "cuda" else None
     settings = Settings.from_env()
     # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
     timer = Alternation(settle_s=max(0.05, 10 * settings.cycle_time_ms / 1000))
@@ -612,7 +708,14 @@ def worker(args: argparse.Namespace) -> None:
         "iters": args.iters,
         "warmup": args.warmup,
         "block": args.block,
-        "models": [bench_model(MODELS[name], args, timer, rank, size) for name in args.models],
+        "device": str(device),
+        "device_label": device_label(device),
+        "ddp_backend": "nccl" if device.type == "cuda" else "gloo",
+        "hora_gpu_operations": gpu_operations,
+        "goal": GOALS[device.type],
+        "models": [
+            bench_model(MODELS[name], args, timer, rank, size, device) for name in args.models
+        ],
     }
     dist.barrier()
     results["elapsed_s"] = time.perf_counter() - started
@@ -626,8 +729,24 @@ def worker(args: argparse.Namespace) -> None:
     hvd.shutdown()
 
 
+def cuda_refusal(args: argparse.Namespace) -> str | None:
+    """Why this ``--device cuda`` run cannot go ahead (``None``: it can)."""
+    reason = harness.nccl_unavailable("--device cuda")
+    gpus = torch.cuda.device_count() if reason is None else 0
+    if reason is None and "HORA_RANK" not in os.environ and args.np > gpus:
+        reason = (
+            f"--device cuda needs a GPU per worker: --np {args.np}, and this host has {gpus} "
+            "GPU(s) (NCCL does not put two ranks on one GPU)."
+        )
+    return reason
+
+
 def main() -> int:
     args = parse_args()
+    reason = cuda_refusal(args) if args.device == "cuda" else None
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 2
     if "HORA_RANK" not in os.environ:
         return relaunch(args)
     worker(args)
