@@ -5,9 +5,10 @@ a step (the user's), never on the engine's. The packages they use are optional e
 (``pip install 'hora[metrics]'``), imported only when a sink is opened; a missing one is a
 :class:`MetricsError` that says what to install.
 
-TensorBoard's event files are written with ``tensorboard``'s record format and protocol buffers
-alone, without its ``EventFileWriter``, which would import all of TensorFlow where it is
-installed.
+TensorBoard's event files are written with ``tensorboard``'s protocol buffers, framed as TFRecords
+here, without its ``EventFileWriter``, which would import all of TensorFlow where it is installed,
+and without its ``RecordWriter``, whose CRC-32C in pure Python took 60 of the 70 microseconds that
+a step's records cost (``google-crc32c`` computes it in C).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -111,9 +113,12 @@ class TensorBoardSink:
     def __init__(self, directory: str, rank: int) -> None:
         try:
             from tensorboard.compat.proto import event_pb2, summary_pb2
-            from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError as exc:
             raise missing_package("tensorboard", "tensorboard:DIR", rank, exc) from exc
+        try:
+            import google_crc32c
+        except ImportError as exc:
+            raise missing_package("google-crc32c", "tensorboard:DIR", rank, exc) from exc
         self._event = event_pb2.Event
         self._summary = summary_pb2.Summary
         self.path = os.path.join(directory, f"rank{rank}")
@@ -128,7 +133,7 @@ class TensorBoardSink:
                 f"({exc.strerror or exc}). Point HORA_METRICS's tensorboard:DIR (or horarun "
                 "--metrics) at a directory this rank can write to."
             ) from exc
-        self._records = RecordWriter(file)
+        self._records = RecordFile(file, google_crc32c.value)
         self._flushed = time.monotonic()
         header = self._event(wall_time=time.time(), file_version="brain.Event:2")
         self._records.write(header.SerializeToString())
@@ -156,6 +161,42 @@ class TensorBoardSink:
         if not self._records.closed:
             self._records.flush()
             self._records.close()
+
+
+_CRC_MASK_DELTA = 0xA282EAD8
+
+
+class RecordFile:
+    """A TFRecord file: each record is its length (8 bytes, little-endian), the masked CRC-32C
+    of those 8 bytes, the data, and the data's masked CRC-32C (TensorBoard checks both).
+
+    Args:
+        file: a binary file open for writing (closed by :meth:`close`).
+        crc32c: the CRC-32C of a byte string.
+    """
+
+    def __init__(self, file: Any, crc32c: Callable[[bytes], int]) -> None:
+        self._file = file
+        self._crc32c = crc32c
+
+    def _masked(self, data: bytes) -> bytes:
+        crc = self._crc32c(data)
+        rotated = ((crc >> 15) | (crc << 17)) & 0xFFFFFFFF
+        return struct.pack("<I", (rotated + _CRC_MASK_DELTA) & 0xFFFFFFFF)
+
+    def write(self, data: bytes) -> None:
+        length = struct.pack("<Q", len(data))
+        self._file.write(length + self._masked(length) + data + self._masked(data))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._file.closed)
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class PrometheusSink:
