@@ -39,7 +39,12 @@ from hora.common.engine.intake import Intake
 from hora.common.engine.negotiation import InlineSlot, MessageTable, ResponseCache
 from hora.common.engine.replay import Replay
 from hora.common.engine.stall import StallInspector
-from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S, WATCH_INTERVAL_S
+from hora.common.engine.timing import (
+    HOLD_WHILE_IN_FLIGHT_S,
+    PARK_AFTER_IDLE_S,
+    WAIT_RECORD_AFTER_S,
+    WATCH_INTERVAL_S,
+)
 from hora.common.engine.tracing import Tracer, nvtx_ranges
 from hora.common.errors import HoraInternalError, shut_down_message
 from hora.common.job.store import StoreClient
@@ -119,7 +124,9 @@ class Engine:
         self._waiting_since = 0.0
         self._thread: threading.Thread | None = None
         self._watcher: Watcher | None = None
-        self._finisher = Finisher(self.rank, lambda: self.intake.failure, self._transport_failed)
+        self._finisher = Finisher(
+            self.rank, lambda: self.intake.failure, self._transport_failed, self.intake.notify
+        )
         self._fail_lock = threading.Lock()
         self._parked_round = 0
         self._woken_round = 0
@@ -387,7 +394,22 @@ class Engine:
             return
         # Counted from the end of the last cycle: after a long cycle, the user thread gets a
         # cycle time to submit its next request before an idle exchange goes out without it.
-        self.intake.wait_for_work(self._last_cycle_end + self.settings.cycle_time_ms / 1000)
+        cycle_s = self.settings.cycle_time_ms / 1000
+        deadline = self._last_cycle_end + cycle_s
+        if self._finisher.busy:
+            # Collectives this rank started are on the wire, and nothing new is here: join the
+            # next exchange when they land or work arrives (within HOLD_WHILE_IN_FLIGHT_S),
+            # rather than every cycle time. Idle exchanges meanwhile take cores and the
+            # transport's attention from the data (over MPI, both threads poll the library).
+            # Every member of those collectives started them, so they land without an exchange.
+            hold = self._last_cycle_end + HOLD_WHILE_IN_FLIGHT_S
+            self.intake.wait_for_work(max(deadline, hold), lambda: not self._finisher.busy)
+            if not self._finisher.busy:
+                # They landed: the callers that waited for them get a cycle time to submit
+                # their next requests before an idle exchange goes out without them.
+                self.intake.wait_for_work(time.monotonic() + cycle_s)
+            return
+        self.intake.wait_for_work(deadline)
 
     def _park(self) -> None:
         """Sleep until this rank has work, another rank rings, or a check is due."""

@@ -30,6 +30,8 @@ class Finisher(threading.Thread):
         failure: the engine's failure message, or ``None`` while it runs.
         transport_failed: called with a transport error's text; returns the message every
             affected handle fails with (the engine's diagnosis).
+        on_idle: called (without the finisher's lock) each time the last started collective
+            has completed.
     """
 
     def __init__(
@@ -37,11 +39,13 @@ class Finisher(threading.Thread):
         rank: int,
         failure: Callable[[], str | None],
         transport_failed: Callable[[str], str],
+        on_idle: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name="hora-finisher", daemon=True)
         self._rank = rank
         self._failure = failure
         self._transport_failed = transport_failed
+        self._on_idle = on_idle
         self._cv = threading.Condition()
         self._items: deque[tuple[Pending, Callable[[], None], list[Entry]]] = deque()
         self._stopping = False
@@ -53,6 +57,11 @@ class Finisher(threading.Thread):
                 self._cv.wait(timeout=WATCH_INTERVAL_S)
             self._items.append((pending, complete, entries))
             self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a started collective has not completed yet."""
+        return bool(self._items)
 
     def drain(self) -> None:
         """Return when everything started so far has completed or failed."""
@@ -90,4 +99,7 @@ class Finisher(threading.Thread):
                 fail(entries, error)
             with self._cv:
                 self._items.popleft()
+                idle = not self._items
                 self._cv.notify_all()
+            if idle:
+                self._on_idle()

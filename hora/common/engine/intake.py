@@ -132,11 +132,14 @@ class Intake:
             self.in_flight[entry.request.key] = entry
         self.queue.extendleft(reversed(entries))
 
-    def wait_for_work(self, deadline: float | None) -> None:
-        """Return when there is new work, the job ends, or ``deadline`` (monotonic) passed;
-        ``None`` waits for work however long it takes."""
+    def wait_for_work(
+        self, deadline: float | None, until: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Return when there is new work, the job ends, ``until()`` holds (checked whenever the
+        lock's condition is notified), or ``deadline`` (monotonic) passed; ``None`` waits for
+        work however long it takes."""
         with self.wakeup:
-            while not self.queue and self.shutdown_reason is None:
+            while not self.queue and self.shutdown_reason is None and not until():
                 if deadline is None:
                     self.wakeup.wait()
                     continue
@@ -144,6 +147,11 @@ class Intake:
                 if remaining <= 0:
                     return
                 self.wakeup.wait(timeout=remaining)
+
+    def notify(self) -> None:
+        """Wake a thread waiting in :meth:`wait_for_work` to look at its condition again."""
+        with self.wakeup:
+            self.wakeup.notify_all()
 
     def end(self, message: str) -> None:
         """Orderly stop: every pending and future call fails with ``message``."""

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 # Park after this many consecutive cycles in which no rank had anything new (at least ~5 ms).
 PARK_AFTER_IDLE_S = 0.005
+# While its own collectives are on the wire, a rank with nothing new joins idle exchanges this
+# often at most (it joins at once when they land or work arrives): other ranks with news for a
+# process set it is not busy in wait this long at worst.
+HOLD_WHILE_IN_FLIGHT_S = 0.05
 # How often a parked or waiting thread looks at the store for failures.
 WATCH_INTERVAL_S = 0.5
 # Started allreduces awaiting completion before the engine waits to start another.
