@@ -54,7 +54,6 @@ class _State:
         self.mpi_comm: Any = None
         # The library of the running job's data path: "gloo" or "mpi".
         self.cpu_operations = ""
-        self.gpu_operations = ""
         # Whether this process froze its objects (``gc.freeze()``) at its first ``init``.
         self.gc_frozen = False
 
@@ -340,7 +339,6 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         topology, store, generation, mpi_comm = _join_job(settings, comm)
         _state.mpi_comm = mpi_comm
         _state.cpu_operations = settings.cpu_operations
-        _state.gpu_operations = settings.gpu_operations
         sets = _translate_mpi_sets(sets, mpi_comm)
         registered, positions = _registered_lists(sets, topology.size, mpi_comm)
         # From here log lines name this rank (in an elastic job it changes from round to round).
@@ -575,7 +573,6 @@ def _stop_engine(reason: str | None) -> None:
         _state.engine = None
         _state.mpi_comm = None
         _state.cpu_operations = ""
-        _state.gpu_operations = ""
         for process_set in _state.process_sets.values():
             if process_set is not global_process_set:
                 process_set._unbind()
@@ -782,11 +779,6 @@ def nccl_built() -> int:
 
     return int(nccl_compiled())
 
-
-def nccl_enabled() -> bool:
-    """Whether the running job moves CUDA tensors over NCCL (``HORA_GPU_OPERATIONS=nccl`` and
-    a torch with NCCL)."""
-    return is_initialized() and _state.gpu_operations == "nccl" and bool(nccl_built())
 
 
 def ddl_built() -> bool:
