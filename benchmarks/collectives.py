@@ -604,14 +604,7 @@ def mpi_worker(args: argparse.Namespace) -> None:
         "load_before": load_before,
         "allreduce_bandwidth": bench_mpi_bandwidth(timer, args.repeats, comm, MPI),
     }
-    dist.barrier()
-    results["elapsed_s"] = time.perf_counter() - started
-    results["load_after"] = os.getloadavg()
-    if rank == 0:
-        print(format_mpi_table(results), flush=True)
-        if args.json:
-            harness.write_json(args.json, results)
-    dist.barrier()
+    harness.report(results, started, rank, format_mpi_table, args.json)
     comm.Free()
     dist.destroy_process_group()
     hvd.shutdown()
@@ -765,14 +758,7 @@ def nccl_worker(args: argparse.Namespace) -> None:
         "cycle_time_ms": cycle_time_ms,
         "allreduce_bandwidth": bench_nccl_bandwidth(timer, args.repeats, device),
     }
-    dist.barrier()
-    results["elapsed_s"] = time.perf_counter() - started
-    results["load_after"] = os.getloadavg()
-    if rank == 0:
-        print(format_nccl_table(results), flush=True)
-        if args.json:
-            harness.write_json(args.json, results)
-    dist.barrier()
+    harness.report(results, started, rank, format_nccl_table, args.json)
     dist.destroy_process_group()
     hvd.shutdown()
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -135,6 +136,27 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 
     rule = "-" * len(line(header))
     return [rule, line(header), rule, *map(line, rows), rule]
+
+
+def report(
+    results: dict[str, Any],
+    started: float,
+    rank: int,
+    table: Callable[[dict[str, Any]], str],
+    json_path: str | None,
+) -> None:
+    """End a benchmark run on every rank: record its run time and load, and have rank 0 print
+    ``table(results)`` (and write every sample to ``json_path``, when given)."""
+    import time
+
+    dist.barrier()
+    results["elapsed_s"] = time.perf_counter() - started
+    results["load_after"] = os.getloadavg()
+    if rank == 0:
+        print(table(results), flush=True)
+        if json_path:
+            write_json(json_path, results)
+    dist.barrier()
 
 
 def write_json(path: str, results: Any) -> None:

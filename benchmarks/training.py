@@ -717,14 +717,7 @@ def worker(args: argparse.Namespace) -> None:
             bench_model(MODELS[name], args, timer, rank, size, device) for name in args.models
         ],
     }
-    dist.barrier()
-    results["elapsed_s"] = time.perf_counter() - started
-    results["load_after"] = os.getloadavg()
-    if rank == 0:
-        print(format_table(results), flush=True)
-        if args.json:
-            harness.write_json(args.json, results)
-    dist.barrier()
+    harness.report(results, started, rank, format_table, args.json)
     dist.destroy_process_group()
     hvd.shutdown()
 

@@ -110,14 +110,20 @@ def _communicator_factory(
 
     def factory(scope: str, rank: int, size: int) -> Communicator:
         comm = GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
-        try:
-            prove_peers(comm, store.secret, scope)
-        except TransportError:
-            comm.abort()
-            raise
-        return comm
+        return _proved(comm, store, scope)
 
     return factory
+
+
+def _proved(comm: Communicator, store: StoreClient, scope: str) -> Communicator:
+    """``comm`` once its members proved to each other that they hold the job secret (see
+    :func:`hora.common.transport.prove_peers`); aborted, and the error raised, if not."""
+    try:
+        prove_peers(comm, store.secret, scope)
+    except TransportError:
+        comm.abort()
+        raise
+    return comm
 
 
 def _gpu_communicator_factory(settings: Settings, store: StoreClient) -> Any:
@@ -162,12 +168,7 @@ def _gpu_communicator_factory(settings: Settings, store: StoreClient) -> Any:
         comm = NCCLCommunicator(
             store.scoped(scope), rank, size, settings.gloo_timeout_s, device, longest_s
         )
-        try:
-            prove_peers(comm, store.secret, scope)
-        except TransportError:
-            comm.abort()
-            raise
-        return comm
+        return _proved(comm, store, scope)
 
     return factory
 
@@ -778,7 +779,6 @@ def nccl_built() -> int:
     from hora.common.transport.nccl import nccl_compiled
 
     return int(nccl_compiled())
-
 
 
 def ddl_built() -> bool:
