@@ -24,7 +24,6 @@ from hora.common.engine.stall import StallInspector, ranks_text
 from hora.common.engine.timing import (
     DEADLOCK_PROBE_S,
     DIAGNOSE_WINDOW_S,
-    PARKED_WAIT_S,
     WATCH_INTERVAL_S,
 )
 from hora.common.job.store import (
@@ -97,10 +96,14 @@ class Watcher(threading.Thread):
                     self._check_failure()
                     if self.failure is not None:
                         return
-                    # No timeout: a failure or a shutdown rings this key too.
-                    self._store.wait(self._keys.wake(target), PARKED_WAIT_S)
-                    seen = target
-                    self._woken(target)
+                    # Bounded, then the newest round again: rank 0 deletes a round's key when
+                    # the next round parks, and a watcher that load kept from running may only
+                    # get here after that. Waiting on with no timeout, it would never see the
+                    # next round's doorbell, and the job would stall until a collective timed
+                    # out on the ranks that did wake.
+                    if self._store.wait(self._keys.wake(target), WATCH_INTERVAL_S):
+                        seen = target
+                        self._woken(target)
                     continue
                 self._event.wait(WATCH_INTERVAL_S)
                 self._event.clear()

@@ -576,6 +576,10 @@ class SecureStore(_Store):
     def get(self, key: str) -> bytes:
         return self._waited(GET, [key], None)[0]
 
+    def get_within(self, key: str, timeout: timedelta) -> bytes:
+        """``get``, waiting at most ``timeout`` for the key (``StoreTimeout`` after that)."""
+        return self._waited(GET, [key], timeout)[0]
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._waited(MULTI_GET, keys, None)
 

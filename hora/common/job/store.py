@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from hora.common.job.secure_store import StoreServer
 
 TAG_BYTES = 32
+# How long a read waits for a key that was there a moment ago before taking it as deleted.
+_GONE_AFTER_S = 0.05
 
 
 class AuthenticationError(RuntimeError):
@@ -258,6 +260,26 @@ class StoreClient:
         """
         return self.verified(name, bytes(self.store.get(self.key(name))))
 
+    def _read_seen(self, name: str) -> bytes | None:
+        """The verified value of a key that was just seen to exist, or ``None`` when it was
+        deleted since (as rank 0 deletes an old parking round's doorbell). hora's own store
+        answers that at once; another store (torchrun's) waits up to its timeout instead.
+
+        Raises:
+            AuthenticationError: the value was not written by :meth:`set_signed` of this job.
+        """
+        key = self.key(name)
+        within = getattr(self.store, "get_within", None)
+        if within is None:
+            return self.verified(name, bytes(self.store.get(key)))
+        try:
+            blob = within(key, timedelta(seconds=_GONE_AFTER_S))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                return None
+            raise
+        return self.verified(name, bytes(blob))
+
     def mark(self, name: str) -> None:
         """Set a mark: a key whose presence is what it says, holding a signed empty value."""
         self.set_signed(name, b"")
@@ -270,8 +292,7 @@ class StoreClient:
         """
         if not self.store.check([self.key(name)]):
             return False
-        self.get_signed(name)
-        return True
+        return self._read_seen(name) is not None
 
     def all_marked(self, names: list[str]) -> bool:
         """Whether every key of ``names`` holds a genuine value (one round trip when not).
@@ -302,8 +323,7 @@ class StoreClient:
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 return False
             raise
-        self.get_signed(name)
-        return True
+        return self._read_seen(name) is not None
 
     def delete(self, name: str) -> None:
         try:
