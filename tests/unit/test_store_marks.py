@@ -9,7 +9,6 @@ generation, is rejected with an error that names tampering.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
@@ -24,20 +23,8 @@ from hora.common.job.store import (
     read_failure,
     report_failure,
     sign,
-    start_store_server,
 )
 from hora.common.job.store_keys import FAILURE, GenerationKeys
-
-
-@pytest.fixture
-def served() -> Iterator[tuple[str, int]]:
-    """hora's own store service on loopback: ``(secret, port)``."""
-    secret = new_secret()
-    server, port = start_store_server("127.0.0.1", 0, secret)
-    try:
-        yield secret, port
-    finally:
-        server.close()
 
 
 def _client(secret: str, port: int, prefix: str = "") -> StoreClient:

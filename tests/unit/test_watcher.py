@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from hora.common.engine.failures import Watcher
-from hora.common.job.store import StoreClient, new_secret, start_store_server
+from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
-
-
-@pytest.fixture
-def served() -> Iterator[tuple[str, int]]:
-    secret = new_secret()
-    server, port = start_store_server("127.0.0.1", 0, secret)
-    try:
-        yield secret, port
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(30)

@@ -268,16 +268,15 @@ class StoreClient:
         Raises:
             AuthenticationError: the value was not written by :meth:`set_signed` of this job.
         """
+        from hora.common.job.secure_store import SecureStore, StoreTimeout
+
         key = self.key(name)
-        within = getattr(self.store, "get_within", None)
-        if within is None:
+        if not isinstance(self.store, SecureStore):
             return self.verified(name, bytes(self.store.get(key)))
         try:
-            blob = within(key, timedelta(seconds=_GONE_AFTER_S))
-        except RuntimeError as exc:
-            if "timed out" in str(exc).lower():
-                return None
-            raise
+            blob = self.store.get_within(key, timedelta(seconds=_GONE_AFTER_S))
+        except StoreTimeout:
+            return None
         return self.verified(name, bytes(blob))
 
     def mark(self, name: str) -> None:

@@ -54,12 +54,7 @@ def gpu_identity(device: torch.device) -> str:
     """A name of ``device``'s physical GPU that is the same in every process that sees it,
     whatever ``CUDA_VISIBLE_DEVICES`` numbers it as there (its UUID)."""
     properties: Any = torch.cuda.get_device_properties(device)
-    uuid = getattr(properties, "uuid", None)
-    if uuid is not None:
-        return str(uuid)
-    import socket
-
-    return f"{socket.gethostname()}/{properties.pci_bus_id}"
+    return str(properties.uuid)
 
 
 def shared_gpus(identities: list[str]) -> list[list[int]]:
