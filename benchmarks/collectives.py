@@ -80,6 +80,24 @@ BANDWIDTH_GOAL = 0.95
 # --transport nccl: CUDA float32 allreduce sizes and repetitions, and where the goal starts.
 NCCL_BANDWIDTH_REPS = {1 * MIB: 100, 4 * MIB: 80, 16 * MIB: 60, 64 * MIB: 40, 256 * MIB: 20}
 GOAL_FROM_BYTES = 16 * MIB
+
+
+def bus_bytes(nbytes: int, ranks: int) -> float:
+    """The bytes an allreduce of ``nbytes`` moves per rank on a ring: 2 (n-1)/n x bytes."""
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
+def peer_goal(nbytes: int, ratio: float, peer: str) -> dict[str, Any]:
+    """A row's goal against a raw peer (``ratio``: hora's bus bandwidth over the peer's),
+    which applies from ``GOAL_FROM_BYTES`` up."""
+    applies = nbytes >= GOAL_FROM_BYTES
+    return {
+        "ratio": ratio,
+        "goal": f"hora/raw {peer} bus bandwidth >= {BANDWIDTH_GOAL}" if applies else "",
+        "pass": ratio >= BANDWIDTH_GOAL or not applies,
+    }
+
+
 FUSION_TENSORS = 300
 FUSION_ELEMENTS = 256  # 1 KiB of float32
 FUSION_GOAL = 5.0
@@ -256,15 +274,15 @@ def bench_bandwidth(timer: Comparison, factor: float) -> list[dict[str, Any]]:
             block=5,
         )
         hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
-        bus_bytes = 2 * (size - 1) / size * nbytes
+        moved = bus_bytes(nbytes, size)
         ratio = raw_s / hora_s
         rows.append(
             {
                 "bytes": nbytes,
                 "hora_s": hora_s,
                 "raw_s": raw_s,
-                "hora_busbw_GBps": bus_bytes / hora_s / 1e9,
-                "raw_busbw_GBps": bus_bytes / raw_s / 1e9,
+                "hora_busbw_GBps": moved / hora_s / 1e9,
+                "raw_busbw_GBps": moved / raw_s / 1e9,
                 "ratio": ratio,
                 "goal": f"hora/raw bus bandwidth >= {BANDWIDTH_GOAL}",
                 "pass": ratio >= BANDWIDTH_GOAL,
@@ -526,21 +544,17 @@ def bench_mpi_bandwidth(timer: Comparison, factor: float, comm: Any, mpi: Any) -
             hora_allreduce(tensor, f"bandwidth.{nbytes}"), mpi_op, reps, warmup=3, block=5
         )
         _, gloo_times = timer.run(mpi_op, raw_allreduce(tensor), reps, warmup=2, block=5)
-        bus_bytes = 2 * (size - 1) / size * nbytes
+        moved = bus_bytes(nbytes, size)
         hora_s, mpi_s = statistics.median(hora_times), statistics.median(mpi_times)
         gloo_s = statistics.median(gloo_times)
-        ratio = mpi_s / hora_s
-        goal_applies = nbytes >= 16 * MIB
         rows.append(
             {
                 "bytes": nbytes,
-                "hora_mpi_busbw_GBps": bus_bytes / hora_s / 1e9,
-                "raw_mpi_busbw_GBps": bus_bytes / mpi_s / 1e9,
-                "raw_gloo_busbw_GBps": bus_bytes / gloo_s / 1e9,
-                "ratio": ratio,
+                "hora_mpi_busbw_GBps": moved / hora_s / 1e9,
+                "raw_mpi_busbw_GBps": moved / mpi_s / 1e9,
+                "raw_gloo_busbw_GBps": moved / gloo_s / 1e9,
+                **peer_goal(nbytes, mpi_s / hora_s, "MPI"),
                 "mpi_vs_gloo": gloo_s / hora_s,
-                "goal": f"hora/raw MPI bus bandwidth >= {BANDWIDTH_GOAL}" if goal_applies else "",
-                "pass": ratio >= BANDWIDTH_GOAL or not goal_applies,
                 "hora_samples_s": hora_times,
                 "mpi_samples_s": mpi_times,
                 "gloo_samples_s": gloo_times,
@@ -669,19 +683,15 @@ def bench_nccl_bandwidth(
             block=5,
         )
         hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
-        bus_bytes = 2 * (size - 1) / size * nbytes
-        ratio = raw_s / hora_s
-        goal_applies = nbytes >= GOAL_FROM_BYTES
+        moved = bus_bytes(nbytes, size)
         rows.append(
             {
                 "bytes": nbytes,
                 "hora_s": hora_s,
                 "raw_s": raw_s,
-                "hora_nccl_busbw_GBps": bus_bytes / hora_s / 1e9,
-                "raw_nccl_busbw_GBps": bus_bytes / raw_s / 1e9,
-                "ratio": ratio,
-                "goal": f"hora/raw NCCL bus bandwidth >= {BANDWIDTH_GOAL}" if goal_applies else "",
-                "pass": ratio >= BANDWIDTH_GOAL or not goal_applies,
+                "hora_nccl_busbw_GBps": moved / hora_s / 1e9,
+                "raw_nccl_busbw_GBps": moved / raw_s / 1e9,
+                **peer_goal(nbytes, raw_s / hora_s, "NCCL"),
                 "hora_samples_s": hora_times,
                 "raw_samples_s": raw_times,
             }

@@ -17,6 +17,16 @@ import torch.distributed as dist
 import hora
 
 
+def step_block_arguments(args: Any) -> list[str]:
+    """The options of a benchmark that times training steps in blocks (``--models``,
+    ``--steps``, ``--block``, ``--warmup``, ``--batch-size``), to pass on to its workers."""
+    forwarded = ["--models", *args.models, "--steps", str(args.steps)]
+    forwarded += ["--block", str(args.block), "--warmup", str(args.warmup)]
+    if args.batch_size is not None:
+        forwarded += ["--batch-size", str(args.batch_size)]
+    return forwarded
+
+
 def relaunch(script: str, np: int, forwarded: list[str]) -> int:
     """Start ``script`` on ``np`` workers through horarun and return its exit status."""
     command = [sys.executable, "-m", "hora.runner.launch", "-np", str(np)]

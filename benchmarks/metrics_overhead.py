@@ -129,10 +129,7 @@ def bench_model(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if "HORA_RANK" not in os.environ:
-        forwarded = ["--models", *args.models, "--steps", str(args.steps)]
-        forwarded += ["--block", str(args.block), "--warmup", str(args.warmup)]
-        if args.batch_size is not None:
-            forwarded += ["--batch-size", str(args.batch_size)]
+        forwarded = harness.step_block_arguments(args)
         if args.control:
             forwarded.append("--control")
         return harness.relaunch(__file__, args.np, forwarded)

@@ -77,11 +77,7 @@ def bench_model(name: str, args: argparse.Namespace, directory: str) -> tuple[fl
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if "HORA_RANK" not in os.environ:
-        forwarded = ["--models", *args.models, "--steps", str(args.steps)]
-        forwarded += ["--block", str(args.block), "--warmup", str(args.warmup)]
-        if args.batch_size is not None:
-            forwarded += ["--batch-size", str(args.batch_size)]
-        return harness.relaunch(__file__, args.np, forwarded)
+        return harness.relaunch(__file__, args.np, harness.step_block_arguments(args))
     import hora.torch as hvd
 
     torch.set_num_threads(1)
