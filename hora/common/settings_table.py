@@ -59,6 +59,19 @@ OPTIONAL_INTEGER: Kind[int | None] = Kind("an integer", parse_int)
 OPTIONAL_BOOLEAN: Kind[bool | None] = Kind("0 or 1", parse_bool)
 
 
+def parse_file_mode(raw: str) -> int:
+    """Permission bits in octal (``600``, ``0640``, ``0o644``). Raises ValueError for anything
+    else, or for bits beyond ``777``."""
+    text = raw.strip().lower().removeprefix("0o")
+    value = int(text, 8)
+    if not 0 <= value <= 0o777:
+        raise ValueError(raw)
+    return value
+
+
+FILE_MODE_KIND: Kind[int] = Kind("octal permission bits such as 600 or 640", parse_file_mode)
+
+
 @dataclass(frozen=True)
 class Bounds:
     """The range a number must lie in: ``low <= value`` (``low < value`` when ``low_open``) and
@@ -232,6 +245,21 @@ METRICS_ADDR = Variable(
     "METRICS_ADDR", TEXT, "127.0.0.1",
     "The address the Prometheus endpoints of `HORA_METRICS` bind (`0.0.0.0`: every interface).",
     horovod=False,
+)  # fmt: skip
+METRICS_REQUIRED = Variable(
+    "METRICS_REQUIRED", BOOLEAN, False,
+    "`1` makes a metrics sink that cannot open (its port taken, its directory not writable) "
+    "stop the job at `hvd.init()`. By default the job runs on without that sink and the rank "
+    "logs why, once.",
+    horovod=False,
+)  # fmt: skip
+FILE_MODE = Variable(
+    "FILE_MODE", FILE_MODE_KIND, 0o600,
+    "Permission bits (octal) of the files hora writes: timelines, `--output-filename` logs, "
+    "metrics event files, the autotune log, the outputs of `hora timeline` and `hora bench`. "
+    "They hold the job's data, so only their owner may read them by default; `640` or `644` "
+    "shares them. See [docs/security.md](security.md#files-hora-writes).",
+    horovod=False, default_doc="`600`",
 )  # fmt: skip
 AUTOTUNE = Variable(
     "AUTOTUNE", BOOLEAN, False,
@@ -443,9 +471,9 @@ ELASTIC_COMMIT_DIR = Variable(
 )  # fmt: skip
 HOST_DISCOVERY_TIMEOUT = Variable(
     "HOST_DISCOVERY_TIMEOUT", NUMBER, 60.0,
-    "Read by `horarun`: seconds one run of `--host-discovery-script` may take. A run that takes "
-    "longer is stopped, with everything it started, and counts as a failed run (at the start, "
-    "the job does not start).",
+    "Read by `horarun`: seconds one run of `--host-discovery-script` may take, and never more "
+    "than `--elastic-timeout`. A run that takes longer is stopped, with everything it started, "
+    "and counts as a failed run (at the start, the job does not start).",
     bounds=POSITIVE, unit="seconds", horovod=False, table="elastic",
 )  # fmt: skip
 
@@ -464,6 +492,8 @@ VARIABLES: tuple[Variable[Any], ...] = (
     METRICS,
     METRICS_RANKS,
     METRICS_ADDR,
+    METRICS_REQUIRED,
+    FILE_MODE,
     AUTOTUNE,
     AUTOTUNE_LOG,
     AUTOTUNE_WARMUP_SAMPLES,

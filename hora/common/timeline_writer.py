@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hora.common import safe_files
+
 # Rows (tids) that are not tensors.
 TRAINING_ROW = 0
 ENGINE_ROW = 1
@@ -53,9 +55,8 @@ class Timeline:
         self.rank = rank
         self.mark_cycles = mark_cycles
         self.file_path = rank_path(path, rank)
-        if self.file_path.parent and not self.file_path.parent.exists():
-            self.file_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.file_path, "w", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
+        # A new file renamed onto the name: a link planted there is replaced, not followed.
+        self._file = safe_files.create(self.file_path, buffering=1 << 16)
         self._lock = threading.Lock()
         self._rows: dict[str, int] = {}
         self._closed = False
@@ -229,21 +230,23 @@ def merge(path: str | os.PathLike[str], expected_ranks: Iterable[int] | None = N
     Returns:
         Whether it merged (``False``: some expected rank's file is missing; nothing changed).
     """
-    files = rank_files(path)
-    ranks = {rank for rank, _ in files}
-    if expected_ranks is not None and not set(expected_ranks) <= ranks:
-        return False
-    base = Path(path)
-    temporary = base.with_name(base.name + ".merging")
-    with open(temporary, "w", encoding="utf-8") as out:
-        out.write("[\n")
+    # Only this user's own files: in a shared directory, another user could put a file there
+    # whose name looks like a rank's.
+    files = [(rank, file) for rank, file in rank_files(path) if safe_files.owned_by_this_user(file)]
+    if expected_ranks is not None:
+        wanted = set(expected_ranks)
+        if not wanted <= {rank for rank, _ in files}:
+            return False
+        files = [(rank, file) for rank, file in files if rank in wanted]
+    with safe_files.replacing(path) as out:
+        out.write(b"[\n")
         first = True
         for _, file in files:
             for event in read_events(file):
-                out.write(("" if first else ",\n") + json.dumps(event, separators=(",", ":")))
+                line = ("" if first else ",\n") + json.dumps(event, separators=(",", ":"))
+                out.write(line.encode())
                 first = False
-        out.write("\n]\n")
-    os.replace(temporary, base)
+        out.write(b"\n]\n")
     for rank, file in files:
         if rank != 0:
             file.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hora.common import config
+from hora.common import config, safe_files
 from hora.common.settings_table import (
     HOST_DISCOVERY_TIMEOUT,
     LAUNCHER_TIMEOUT_SECONDS,
@@ -214,6 +214,8 @@ def _check_bounds(args: argparse.Namespace) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     _check_bounds(args)
+    if args.output_filename:
+        _check_output_directory(args.output_filename)
     for option in args.ssh_option or []:
         if "=" not in option or option.startswith("-"):
             raise OptionError(f"--ssh-option {option!r} must look like Key=Value.")
@@ -253,6 +255,15 @@ def _validate_elastic(args: argparse.Namespace) -> None:
         _check_cooldown(*args.blacklist_cooldown_range)
     if args.host_discovery_script is not None:
         _check_script(args.host_discovery_script)
+
+
+def _check_output_directory(directory: str) -> None:
+    """Create ``--output-filename``'s directory now, so that a problem stops the job before any
+    worker starts (files in it are created by :mod:`hora.common.safe_files`)."""
+    try:
+        safe_files.make_directories(directory)
+    except OSError as exc:
+        raise OptionError(f"--output-filename {directory}: {exc}") from None
 
 
 def _check_script(script: str) -> None:

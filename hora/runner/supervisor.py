@@ -30,6 +30,7 @@ from typing import IO, Any
 
 import psutil
 
+from hora.common import safe_files
 from hora.common.settings_table import LAUNCHER_TIMEOUT_SECONDS
 from hora.runner.hosts import Slot
 from hora.runner.options import env_seconds
@@ -312,11 +313,15 @@ class OutputForwarder:
         # Horovod's layout: rank numbers padded to the width of the largest one.
         width = len(str(max(worker.slot.size - 1, 0)))
         directory = os.path.join(self.log_dir, f"rank.{worker.rank:0{width}d}")
-        os.makedirs(directory, exist_ok=True)
-        return open(os.path.join(directory, name), "w", encoding="utf-8")  # noqa: SIM115
+        return safe_files.create(os.path.join(directory, name))
 
     def _pump(self, worker: Worker, stream: IO[bytes], name: str, sink: IO[str]) -> None:
-        log = self._log_file(worker, name)
+        try:
+            log = self._log_file(worker, name)
+        except OSError as exc:
+            log = None
+            with self._lock:
+                sink.write(f"horarun: rank {worker.rank}'s {name} is not kept in a file: {exc}\n")
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         splitter = LineSplitter()
         controls = ControlFilter() if name == "stdout" else None

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hora.common import safe_files
 from hora.common.settings_table import VARIABLES, Variable
 from hora.runner.flags import OPTIONS, Option, number_text
 
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         stale.append(name)
         if not args.check:
-            path.write_text(new)
+            safe_files.write(path, new, mode=path.stat().st_mode & 0o777)
     verb = "out of date" if args.check else "rewritten"
     for name in stale:
         print(f"{args.docs / name}: {verb}", file=sys.stderr)

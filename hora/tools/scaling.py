@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from hora.common import safe_files
 from hora.tools import timeline
 from hora.tools.arguments import not_negative, positive
 from hora.tools.scaling_table import (
@@ -197,7 +198,7 @@ def run_job(job: Job, settings: StudySettings, on_output: Callable[[str], None])
         timed_out.set()
         _stop(process)
 
-    with job.log_path.open("w") as log:
+    with safe_files.create(job.log_path, buffering=1) as log:
         log.write("$ " + " ".join(command) + "\n")
         log.flush()
         process = subprocess.Popen(
@@ -345,7 +346,7 @@ def run_study(settings: StudySettings, out: TextIO | None = None) -> list[Row]:
         ScalingError: a job failed; the study stops there.
     """
     out = out if out is not None else sys.stdout
-    settings.output_dir.mkdir(parents=True, exist_ok=True)
+    safe_files.make_directories(settings.output_dir)
     jobs = [
         Job(model, workers, settings.output_dir)
         for model in settings.models

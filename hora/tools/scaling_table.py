@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hora.common import safe_files
+
 RESULT_FORMAT = 1  # the benchmark's --json layout this module reads
 # A throughput whose 95% interval exceeds this share of it is reported as noisy.
 NOISY_INTERVAL = 0.25
@@ -247,7 +249,7 @@ def noise_note(rows: Sequence[Row]) -> str | None:
 
 def write_csv(rows: Sequence[Row], path: Path) -> None:
     """One line per row under :data:`CSV_COLUMNS`; an unmeasured communication share is empty."""
-    with path.open("w", newline="") as file:
+    with safe_files.create(path) as file:
         writer = csv.writer(file)
         writer.writerow(CSV_COLUMNS)
         for row in rows:
@@ -335,4 +337,5 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     # One legend for both panels, below them, so that it covers no line.
     figure.legend(loc="outside lower center", ncols=len(models))
     figure.suptitle(title)
-    figure.savefig(path, dpi=110)
+    with safe_files.replacing(path) as file:
+        figure.savefig(file, format=path.suffix.lstrip(".") or "png", dpi=110)

@@ -27,12 +27,13 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hora.common import safe_files
 
 # Imported by name, as hora.tools.doctor does, so that type-checking hora/tools (strict) does not
 # pull in hora.torch, which is checked under its own, looser settings.
@@ -226,11 +227,7 @@ def log(text: str) -> None:
 
 def write_result(path: str, result: dict[str, Any]) -> None:
     """Write ``result`` to ``path`` whole or not at all: a reader never sees half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.partial")
-    partial.write_text(json.dumps(result, indent=2) + "\n")
-    partial.replace(target)
+    safe_files.write(path, json.dumps(result, indent=2) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hora.common import safe_files
 from hora.common import timeline_writer as common_timeline
 from hora.common.timeline_writer import rank_path
 
@@ -337,7 +338,7 @@ def write_merged(timeline: Timeline, out: str | os.PathLike[str]) -> int:
     """Write :func:`merge`'s trace to ``out``, one event per line; returns the event count."""
     merged = merge(timeline)
     lines = ",\n".join(json.dumps(e, separators=(", ", ": ")) for e in merged)
-    Path(out).write_text(f"[\n{lines}\n]\n", encoding="utf-8")
+    safe_files.write(out, f"[\n{lines}\n]\n")
     return len(merged)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from hora.common import safe_files
 from hora.tools.timeline import (
     BACKWARD,
     FIRST_TENSOR_ROW,
@@ -139,7 +141,8 @@ def plot(timeline: Timeline, out: str | os.PathLike[str], steps: int = 3) -> Plo
     legend = [Patch(color=COLORS[k], label=labels.get(k, k)) for k in COLORS if k in used]
     if legend:
         figure.legend(handles=legend, loc="outside lower center", ncols=min(len(legend), 4))
-    figure.savefig(out, dpi=110)
+    with safe_files.replacing(out) as file:
+        figure.savefig(file, format=Path(out).suffix.lstrip(".") or "png", dpi=110)
     return window
 
 

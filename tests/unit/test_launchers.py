@@ -472,5 +472,39 @@ def test_a_bad_secret_file_is_refused_with_what_to_do(
 def test_a_directory_is_not_a_secret_file(tmp_path: Path) -> None:
     from hora.common.job.topology import job_secret
 
-    with pytest.raises(TopologyError, match="must be a regular file owned by this user"):
+    with pytest.raises(TopologyError, match="is a directory; it must name a file") as info:
         job_secret({"HORA_SECRET_FILE": str(tmp_path)})
+    assert "owned by" not in str(info.value)
+
+
+@pytest.mark.parametrize("directory_mode", [0o1777, 0o777, 0o770, 0o720])
+def test_a_secret_file_in_a_directory_others_can_write_is_refused(
+    tmp_path: Path, directory_mode: int
+) -> None:
+    from hora.common.job.topology import job_secret
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    path = shared / "secret"
+    path.write_text("d1" * 32)
+    path.chmod(0o600)
+    shared.chmod(directory_mode)
+    with pytest.raises(
+        TopologyError, match=f"lies in {shared}, which can be written by other"
+    ) as info:
+        job_secret({"HORA_SECRET_FILE": str(path)})
+    assert f"(mode {directory_mode:04o})" in str(info.value)
+    assert "mkdir -m 700 ~/.hora" in str(info.value)
+    shared.chmod(0o755)
+    assert job_secret({"HORA_SECRET_FILE": str(path)}) == "d1" * 32
+
+
+@pytest.mark.parametrize("key", ["abc", "x" * 31])
+def test_a_short_secret_key_is_refused_as_a_short_secret_file_is(key: str) -> None:
+    from hora.common.job.topology import job_secret
+
+    with pytest.raises(TopologyError, match=f"HORA_SECRET_KEY holds {len(key)} characters; a job"):
+        job_secret({"HORA_SECRET_KEY": key})
+    with pytest.raises(TopologyError, match="needs at least 32"):
+        detect({**slurm_env(0, "2", 0, 0, 2), "HORA_SECRET_KEY": key})
+    assert job_secret({"HORA_SECRET_KEY": "x" * 32}) == "x" * 32

@@ -429,10 +429,16 @@ def test_cli_merge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "timeline.rank2.json' was cut short" in captured.err
     assert {e["pid"] for e in json.loads(out.read_text())} == {0, 1, 2}
 
-    nowhere = tmp_path / "missing" / "all.json"
+    # A missing folder is made; a path through a file cannot be.
+    made = tmp_path / "missing" / "all.json"
+    assert cli.main(["timeline", "merge", str(path), "-o", str(made)]) == 0
+    assert {e["pid"] for e in json.loads(made.read_text())} == {0, 1, 2}
+    capsys.readouterr()
+    (tmp_path / "a-file").write_text("")
+    nowhere = tmp_path / "a-file" / "all.json"
     assert cli.main(["timeline", "merge", str(path), "-o", str(nowhere)]) == 1
     err = capsys.readouterr().err
-    assert f"hora timeline merge: cannot write '{nowhere}': No such file or directory" in err
+    assert f"hora timeline merge: cannot write '{nowhere}': Not a directory" in err
 
 
 def _png_size(path: Path) -> tuple[int, int]:

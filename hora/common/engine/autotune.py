@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import IO
 
+from hora.common import safe_files
 from hora.common.engine.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 logger = logging.getLogger("hora")
@@ -81,10 +82,11 @@ class Autotuner:
 
     def __post_init__(self) -> None:
         self._candidates = candidates(self.fusion_threshold_bytes)
+        self._log_file: IO[str] | None = None
         if self.log_path and self.rank == 0:
-            path = Path(self.log_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(LOG_HEADER + "\n", encoding="utf-8")
+            # Kept open while trials run: a new file (mode HORA_FILE_MODE), never a planted link.
+            self._log_file = safe_files.create(self.log_path, buffering=1)
+            self._log_file.write(LOG_HEADER + "\n")
 
     @property
     def current(self) -> Candidate:
@@ -137,11 +139,14 @@ class Autotuner:
     def _log(
         self, trial: int, candidate: Candidate, local_s: float, slowest_s: float, status: str
     ) -> None:
-        if not self.log_path or self.rank != 0:
+        log = self._log_file
+        if log is None:
             return
         local = "" if local_s != local_s else f"{local_s * 1000:.3f}"  # NaN: not a measurement
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            log.write(
-                f"{trial},{candidate.first_bucket_bytes},{candidate.bucket_bytes},{local},"
-                f"{slowest_s * 1000:.3f},{status}\n"
-            )
+        log.write(
+            f"{trial},{candidate.first_bucket_bytes},{candidate.bucket_bytes},{local},"
+            f"{slowest_s * 1000:.3f},{status}\n"
+        )
+        if status == "chosen":
+            log.close()
+            self._log_file = None

@@ -8,8 +8,11 @@ port the OS picks and writes it beside the secret file, signed with the secret a
 job id; the other ranks wait for that file. Nobody without the secret can write a port the ranks
 accept, and nobody can know the port before the store listens on it.
 
-The file is ``<secret file>.<job id>.port``, written atomically (a temporary file renamed over
-it), readable by its owner only, and removed when rank 0's process exits.
+The file is ``<secret file>.<job id>.port``, written atomically (a new file under an unguessable
+name, renamed over it: :mod:`hora.common.safe_files`, so a link planted at either name is
+replaced, never written through), readable by its owner only, and removed when rank 0's process
+exits. The secret file's directory is one only its owner can write
+(:func:`hora.common.job.topology.job_secret` checks), so nobody else can plant files there.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 import time
 from pathlib import Path
 
+from hora.common import safe_files
 from hora.common.job.store import TAG_BYTES, sign, verify
 
 # How often a waiting rank looks for the file.
@@ -43,14 +47,7 @@ def _key(job_id: str) -> str:
 def publish(path: Path, job_id: str, secret: str, port: int) -> None:
     """Write ``port`` for ``job_id`` to ``path`` (atomically, mode 0600); removed at exit."""
     body = json.dumps({"job_id": job_id, "port": port, "written": time.time()}).encode()
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(descriptor, sign(secret, body, key=_key(job_id)))
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-    os.replace(temporary, path)
+    safe_files.write(path, sign(secret, body, key=_key(job_id)), mode=0o600, durable=True)
     atexit.register(_remove, path, port)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -97,37 +98,67 @@ class Topology:
             )
 
 
+# The shortest secret hora accepts, in every form: 32 characters (``secrets.token_hex(16)``).
+MIN_SECRET_CHARS = 32
+_MAKE_ONE = "python3 -c 'import secrets; print(secrets.token_hex(32))' makes one"
+
+
 def job_secret(env: Mapping[str, str]) -> str:
     """The job secret from ``HORA_SECRET_KEY``, else from the file ``HORA_SECRET_FILE`` names;
     ``""`` when neither is set.
 
     Raises:
-        TopologyError: the file is missing, not a regular file of this user, readable or
-            writable by others, or holds too short a secret.
+        TopologyError: the secret is shorter than :data:`MIN_SECRET_CHARS`; or the file is
+            missing, not a regular file of this user, readable or writable by others, or lies in
+            a directory that others can write.
     """
     secret = env.get("HORA_SECRET_KEY", "")
     path = env.get("HORA_SECRET_FILE", "")
-    if secret or not path:
+    if secret:
+        _check_length(secret, "HORA_SECRET_KEY")
         return secret
+    if not path:
+        return ""
     path = os.path.expanduser(path)
+    secret = _read_secret_file(path).decode(errors="replace").strip()
+    _check_length(secret, f"HORA_SECRET_FILE={path}")
+    return secret
+
+
+def _check_length(secret: str, source: str) -> None:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise TopologyError(
+            f"{source} holds {len(secret)} characters; a job secret needs at least "
+            f"{MIN_SECRET_CHARS} ({_MAKE_ONE})."
+        )
+
+
+def _read_secret_file(path: str) -> bytes:
+    """The first 4 KiB of the secret file, once it passed :func:`_check_secret_file`."""
     try:
         info = os.stat(path)
-        content = b""
-        if os.path.isfile(path):
-            with open(path, "rb") as handle:
-                content = handle.read(4096)
+        _check_secret_file(path, info)
+        with open(path, "rb") as handle:
+            return handle.read(4096)
     except OSError as exc:
         raise TopologyError(
             f"HORA_SECRET_FILE={path}: cannot read it ({exc.strerror or exc}). Create it once, "
-            "on a file system every rank sees: (umask 077; python3 -c 'import secrets; "
-            f"print(secrets.token_hex(32))' > {path})"
+            "on a file system every rank sees, in a directory only you can write: (umask 077; "
+            f"python3 -c 'import secrets; print(secrets.token_hex(32))' > {path})"
         ) from None
-    import stat
 
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+
+def _check_secret_file(path: str, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
         raise TopologyError(
-            f"HORA_SECRET_FILE={path} must be a regular file owned by this user (uid "
-            f"{os.geteuid()}); it is owned by uid {info.st_uid}."
+            f"HORA_SECRET_FILE={path} is {what}; it must name a file that holds the secret "
+            f"({_MAKE_ONE})."
+        )
+    if info.st_uid != os.geteuid():
+        raise TopologyError(
+            f"HORA_SECRET_FILE={path} must be a file owned by this user (uid {os.geteuid()}); "
+            f"it is owned by uid {info.st_uid}."
         )
     if info.st_mode & 0o077:
         raise TopologyError(
@@ -135,13 +166,29 @@ def job_secret(env: Mapping[str, str]) -> str:
             f"{stat.S_IMODE(info.st_mode):04o}): make it private with `chmod 600 {path}`, and "
             "make a new secret if others may have read it."
         )
-    secret = content.decode(errors="replace").strip()
-    if len(secret) < 32:
-        raise TopologyError(
-            f"HORA_SECRET_FILE={path} holds {len(secret)} characters; a job secret needs at "
-            "least 32 (python3 -c 'import secrets; print(secrets.token_hex(32))' makes one)."
-        )
-    return secret
+    _check_secret_directory(path)
+
+
+def _check_secret_directory(path: str) -> None:
+    """The secret file's directory must be writable by its owner only: anyone else who can
+    write there can plant files beside the secret (the port file hora publishes there), or in a
+    directory without the sticky bit, replace the secret file itself."""
+    directory = os.path.dirname(os.path.realpath(path))
+    info = os.stat(directory)
+    owner_ok = info.st_uid in (os.geteuid(), 0)
+    if owner_ok and not info.st_mode & 0o022:
+        return
+    who = (
+        f"belongs to uid {info.st_uid}"
+        if not owner_ok
+        else f"can be written by other users (mode {stat.S_IMODE(info.st_mode):04o})"
+    )
+    raise TopologyError(
+        f"HORA_SECRET_FILE={path} lies in {directory}, which {who}: others could plant files "
+        "beside the secret, such as the store's port file hora publishes there. Keep the secret "
+        "in a directory only you can write, on a file system every rank sees: `mkdir -m 700 "
+        f"~/.hora && mv {path} ~/.hora/secret`, then HORA_SECRET_FILE=~/.hora/secret."
+    )
 
 
 def _int_var(name: str, env: Mapping[str, str], default: int | None = None) -> int:

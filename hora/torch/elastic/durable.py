@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from hora.common import safe_files
+
 logger = logging.getLogger("hora")
 
 FILE_NAME = "commit.pt"
@@ -90,8 +92,14 @@ class CommitDirectory:
             DurableCommitError: it cannot be created, is not a directory, or is not trusted.
         """
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Missing directories are made mode 0700, never through another user's link.
+            safe_files.make_directories(self.path)
             st = os.stat(self.path)
+        except safe_files.UnsafePathError as exc:
+            raise DurableCommitError(
+                f"{exc} A durable commit is loaded with pickle, which can run code, so only this "
+                "job's user may be able to write where it lies."
+            ) from exc
         except OSError as exc:
             raise DurableCommitError(
                 f"cannot create the elastic commit directory {self.path}: {exc}. Check the "
