@@ -53,7 +53,7 @@ sock = connect()
 started = time.monotonic()
 out["unproven_bytes"] = len(read_all(sock))
 out["closed_after_s"] = time.monotonic() - started
-# A guessed proof: closed without an answer.
+# A guessed proof: refused, then closed.
 sock = connect()
 sock.recv(64)
 sock.sendall(bytes(64))
@@ -144,7 +144,9 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
 
     assert report["unproven_bytes"] == len(secure_store.GREETING) + secure_store.NONCE_BYTES
     assert report["closed_after_s"] < 2.0 + 3.0
-    assert report["guess_answer"] == "" and report["tcpstore_answer"] == ""
+    # A guess is refused in so many words; that tells the guesser only what it knew.
+    refused = secure_store.REFUSED.hex()
+    assert report["guess_answer"] == refused and report["tcpstore_answer"] == refused
     assert report["flood_opened"] > secure_store.MAX_UNPROVEN
     assert peak - before <= secure_store.MAX_UNPROVEN + 8, (before, peak)
     (ranks,) = results
@@ -357,3 +359,83 @@ def test_another_user_flooding_gloo_ports_cannot_change_results(tmp_path: Path) 
     expected = [sum(1000.0 * (r + step) for r in range(3)) for step in range(20)]
     assert [r["totals"] for r in ranks] == [expected] * 3
     assert [r["late"] for r in ranks] == [[2.0, 2.0, 2.0], None, [2.0, 2.0, 2.0]]
+
+
+STORE_FLOOD = r"""
+import collections, json, socket, sys, time
+
+# As fast as it can: a new connection, then its oldest closed once it holds `held`.
+port, held, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+socks, opened, announced = collections.deque(), 0, False
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        opened += 1
+    except OSError:
+        time.sleep(0.01)
+    while len(socks) > held:
+        socks.popleft().close()
+    if not announced and opened >= held:
+        print(json.dumps({"opened": opened}), flush=True)
+        announced = True
+print(json.dumps({"opened": opened}), flush=True)
+"""
+
+
+def _store_flooded_job() -> list[float]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+    names = hvd.allgather_object(hvd.rank())
+    hvd.shutdown()
+    return [total, float(sum(names))]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+@pytest.mark.parametrize("np", [2, 3])
+def test_another_user_flooding_the_store_as_workers_connect_never_fails_the_job(
+    monkeypatch: pytest.MonkeyPatch, np: int
+) -> None:
+    """300 connections from uid nobody, replaced as fast as the store closes them, race the
+    workers' own connections to the store: the workers wait their turn and the job succeeds."""
+    from hora.runner import store_server
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 for the attacking user")
+    floods: list[subprocess.Popen[str]] = []
+    original = store_server.start_store_server
+
+    def start_and_flood(bind: str, port: int, secret: str) -> Any:
+        server, bound = original(bind, port, secret)
+        attacker = subprocess.Popen(
+            [python, "-c", STORE_FLOOD, str(bound), "300", "10"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+        )
+        floods.append(attacker)
+        assert attacker.stdout is not None
+        json.loads(attacker.stdout.readline())  # the flood is under way before any worker
+        return server, bound
+
+    monkeypatch.setattr(store_server, "start_store_server", start_and_flood)
+    results = hora.run(_store_flooded_job, np=np, env={"HORA_START_TIMEOUT": "120"})
+    (attacker,) = floods
+    attacker.wait(timeout=60)
+    assert attacker.stdout is not None
+    report = json.loads(attacker.stdout.read().strip().splitlines()[-1])
+
+    total = float(sum(range(1, np + 1)))
+    assert results == [[total, float(sum(range(np)))]] * np
+    # It opened more connections than the store keeps unproven, while the workers connected.
+    assert report["opened"] >= 300, report

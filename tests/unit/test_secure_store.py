@@ -126,11 +126,14 @@ def test_guessed_proofs_and_plain_requests_are_refused(server: StoreServer) -> N
     greeting = sock.recv(len(secure_store.GREETING) + secure_store.NONCE_BYTES)
     assert greeting.startswith(secure_store.GREETING)
     sock.sendall(bytes(64))  # a nonce and a guessed proof
-    assert sock.recv(100) == b""  # closed without an answer
-    # What TCPStore's protocol would send (a "list keys" query) gets nothing either.
+    # Refused, and closed: the refusal tells the guesser only what it knew.
+    assert sock.recv(100) == secure_store.REFUSED
+    assert sock.recv(100) == b""
+    # What TCPStore's protocol would send (a "list keys" query) gets no more.
     sock = _raw(server)
     sock.recv(100)
     sock.sendall(b"\x0b" * 64)
+    assert sock.recv(100) == secure_store.REFUSED
     assert sock.recv(100) == b""
 
 
@@ -179,9 +182,152 @@ def test_stray_connections_cannot_use_up_the_server(
         sock.close()
 
 
+def _flood(port: int, held: int, stop: threading.Event, opened: list[int]) -> None:
+    """Keep ``held`` connections open that never prove anything, replacing each one the server
+    closes, as fast as the server lets them in, until ``stop``."""
+    socks: list[socket.socket] = []
+    try:
+        while not stop.is_set():
+            socks = [s for s in socks if _still_open(s)]
+            while len(socks) < held and not stop.is_set():
+                try:
+                    sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+                except OSError:
+                    break
+                sock.setblocking(False)
+                socks.append(sock)
+                opened[0] += 1
+            time.sleep(0.005)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _still_open(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(4096, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("held", [100, 300])
+def test_a_flood_of_connections_delays_workers_but_never_fails_them(
+    server: StoreServer, held: int
+) -> None:
+    stop = threading.Event()
+    opened = [0]
+    flooders = [
+        threading.Thread(target=_flood, args=(server.port, held // 2, stop, opened), daemon=True)
+        for _ in range(2)
+    ]
+    for flooder in flooders:
+        flooder.start()
+    while opened[0] < held // 2:
+        time.sleep(0.01)
+    errors: list[BaseException] = []
+    finished: list[float] = []
+
+    def worker(index: int) -> None:
+        started = time.monotonic()
+        try:
+            store = _client(server, timeout_s=60.0)
+            store.set(f"worker/{index}", b"here")
+            finished.append(time.monotonic() - started)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        for _round in range(3):
+            workers = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            for thread in workers:
+                thread.start()
+            for thread in workers:
+                thread.join(timeout=90)
+    finally:
+        stop.set()
+        for flooder in flooders:
+            flooder.join(timeout=10)
+    assert not errors, errors
+    assert len(finished) == 24
+    # The flood really competed: the server pushed out connections to let workers in.
+    assert opened[0] > secure_store.MAX_UNPROVEN and server.rejected > 0
+    assert _client(server).num_keys() >= 8
+
+
+@pytest.mark.timeout(60)
+def test_a_client_whose_connections_are_all_closed_early_names_a_possible_flood() -> None:
+    """A "store" that closes every connection before taking the proof: the client retries until
+    its timeout, then says what may be going on; it does not claim a wrong secret."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    stop = threading.Event()
+    accepted = [0]
+
+    def close_everything() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.sendall(secure_store.GREETING + bytes(secure_store.NONCE_BYTES))
+            sock.recv(100)
+            sock.close()
+            accepted[0] += 1
+
+    thread = threading.Thread(target=close_everything, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(StoreTimeout, match="flooding its port with connections") as info:
+            SecureStore("127.0.0.1", listener.getsockname()[1], SECRET, 2.0)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+    assert "secret differs" not in str(info.value)
+    assert accepted[0] > 1  # it tried again
+
+
 @pytest.mark.timeout(30)
 def test_a_store_connection_does_not_pickle(server: StoreServer) -> None:
     import pickle
 
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(_client(server))
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_vanishes_is_not_reported_as_a_store_problem(
+    server: StoreServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker killed by a signal resets its connection: its own end reports the death; the
+    store does not add a warning about the reset."""
+    import struct
+
+    store = _client(server)
+    store.set("before", b"1")
+    # Close with a reset (what the kernel sends for a process killed mid-request).
+    store._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    store._sock.sendall(b"\x00\x00\x01")  # half a message: the store waits for the rest
+    import logging
+
+    hora_logger = logging.getLogger("hora")
+    hora_logger.addHandler(caplog.handler)  # hora's logger does not propagate once configured
+    try:
+        with caplog.at_level("DEBUG", logger="hora"):
+            store._sock.close()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any(
+                "lost a connection" in r.message for r in caplog.records
+            ):
+                time.sleep(0.02)
+    finally:
+        hora_logger.removeHandler(caplog.handler)
+    lost = [r for r in caplog.records if "lost a connection" in r.message]
+    assert lost and all(r.levelname == "DEBUG" for r in lost)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert _client(server).get("before") == b"1"

@@ -14,16 +14,22 @@ whose rank 0 hosts the store serve instead. Protocol, on one TCP connection:
    dropped, or taken from another connection fails to open, and the connection is closed. An
    observer on the network sees neither keys nor values.
 
-The server keeps at most :data:`MAX_UNPROVEN` connections that have not proved the secret yet
-(a new one pushes out the oldest), each for at most :data:`HANDSHAKE_S` seconds, so stray
-connections cannot use up its file descriptors. ``SecureStore`` is a ``torch.distributed.Store``, so Gloo's own rendezvous goes
-through it too.
+The server keeps at most :data:`MAX_UNPROVEN` connections that have not proved the secret yet,
+each for at most :data:`HANDSHAKE_S` seconds, so stray connections cannot use up its file
+descriptors. Every connection it accepts gets :data:`GRACE_S` to prove itself before a newer one
+may push it out; while all of them are that young, the server stops accepting and new
+connections wait in the kernel's queue. A flood of connections can therefore delay a worker's
+handshake, never cut it short. A wrong proof is answered with :data:`REFUSED` before the
+connection closes, so a client tells a wrong secret (fail at once) from a connection closed
+under load (try again, with backoff, until its timeout). ``SecureStore`` is a
+``torch.distributed.Store``, so Gloo's own rendezvous goes through it too.
 
 This module knows sockets and bytes; it does not know the engine or the launchers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -50,8 +56,14 @@ NONCE_BYTES = 32
 PROOF_BYTES = 32
 # How long a new connection may take to prove the secret.
 HANDSHAKE_S = 5.0
-# Connections that have not proved the secret yet; a new one beyond this closes the oldest.
+# Connections that have not proved the secret yet. Beyond this, a new one pushes out the oldest
+# that has had GRACE_S to prove itself; when none has, the server stops accepting for a while.
 MAX_UNPROVEN = 64
+# What every accepted connection is given to prove itself: a worker answers the greeting within
+# a round trip, far less than this even on a loaded machine.
+GRACE_S = 1.0
+# The server's answer to a wrong proof, before it closes the connection.
+REFUSED = b"hora-store/refused\n"
 # The largest message (a hora.run payload travels through the store).
 MAX_MESSAGE = 1 << 30
 _LENGTH = struct.Struct("<I")
@@ -74,6 +86,11 @@ class StoreConnectionError(dist.DistNetworkError):
 
 class StoreTimeout(dist.DistStoreError):
     """A ``get`` or ``wait`` timed out (a ``RuntimeError``, as ``TCPStore``'s)."""
+
+
+class _ClosedEarly(ConnectionError):
+    """The server closed a connection before it took this client's proof (load or a flood,
+    not a wrong secret: that is answered with :data:`REFUSED`)."""
 
 
 def _auth_key(secret: str) -> bytes:
@@ -164,7 +181,7 @@ class _Connection:
     sock: socket.socket
     peer: str
     server_nonce: bytes
-    deadline: float
+    accepted: float
     inbox: bytearray = field(default_factory=bytearray)
     outbox: bytearray = field(default_factory=bytearray)
     opener: _Seal | None = None
@@ -204,6 +221,7 @@ class StoreServer:
         self._connections: dict[socket.socket, _Connection] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ)
+        self._listening = True
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
@@ -237,6 +255,7 @@ class StoreServer:
                         if connection is not None:
                             self._service(connection, events)
                 self._expire()
+                self._resume_listening()
         except Exception:  # noqa: BLE001 - the store must not die silently
             logger.exception("hora's store server stopped")
         finally:
@@ -247,15 +266,40 @@ class StoreServer:
             self._wake_r.close()
             self._wake_w.close()
 
+    def _unproven(self) -> list[_Connection]:
+        return [c for c in self._connections.values() if c.opener is None]
+
     def _next_timeout(self) -> float:
-        deadlines = [c.deadline for c in self._connections.values() if c.opener is None]
+        unproven = self._unproven()
+        deadlines = [c.accepted + HANDSHAKE_S for c in unproven]
         deadlines += [c.waiting[2] for c in self._connections.values() if c.waiting is not None]
+        if not self._listening:
+            deadlines += [c.accepted + GRACE_S for c in unproven]
         if not deadlines:
             return 1.0
         return max(0.0, min(min(deadlines) - time.monotonic(), 1.0))
 
+    def _make_room(self) -> bool:
+        """Whether a new connection may be accepted: below the cap, or once the oldest unproven
+        connection that has had its grace is pushed out."""
+        unproven = self._unproven()
+        if len(unproven) < MAX_UNPROVEN:
+            return True
+        oldest = min(unproven, key=lambda c: c.accepted)
+        if time.monotonic() < oldest.accepted + GRACE_S:
+            return False
+        self.rejected += 1
+        self._drop(oldest)
+        return True
+
     def _accept(self) -> None:
         while True:
+            if not self._make_room():
+                # Every unproven connection is still within its grace: leave new ones queued
+                # in the kernel until one proves itself or its grace runs out.
+                self._selector.unregister(self._listener)
+                self._listening = False
+                return
             try:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -264,21 +308,22 @@ class StoreServer:
                 # Out of file descriptors, or the like: those connecting retry.
                 logger.warning("hora's store could not accept a connection: %s", exc)
                 return
-            unproven = [c for c in self._connections.values() if c.opener is None]
-            if len(unproven) >= MAX_UNPROVEN:
-                # The oldest makes room: a flood can delay the job's connections, never lock
-                # them out for good.
-                self.rejected += 1
-                self._drop(min(unproven, key=lambda c: c.deadline))
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             nonce = os.urandom(NONCE_BYTES)
-            connection = _Connection(
-                sock, f"{address[0]}:{address[1]}", nonce, time.monotonic() + HANDSHAKE_S
-            )
+            connection = _Connection(sock, f"{address[0]}:{address[1]}", nonce, time.monotonic())
             connection.outbox += GREETING + nonce
             self._connections[sock] = connection
             self._selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _resume_listening(self) -> None:
+        if self._listening or not self._running:
+            return
+        unproven = self._unproven()
+        now = time.monotonic()
+        if len(unproven) < MAX_UNPROVEN or any(now >= c.accepted + GRACE_S for c in unproven):
+            self._selector.register(self._listener, selectors.EVENT_READ)
+            self._listening = True
 
     def _service(self, connection: _Connection, events: int) -> None:
         try:
@@ -290,6 +335,10 @@ class StoreServer:
                 connection.inbox += data
                 self._take_messages(connection)
             self._flush(connection)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            # The peer went away (a worker that was stopped or killed): its own end says why.
+            logger.debug("hora's store lost a connection from %s: %s", connection.peer, exc)
+            self._drop(connection)
         except (OSError, ValueError, StoreAuthenticationError) as exc:
             if connection.opener is not None:
                 logger.warning("hora's store closed a connection from %s: %s", connection.peer, exc)
@@ -309,6 +358,9 @@ class StoreServer:
                     "hora's store refused a connection from %s that did not prove the job secret",
                     connection.peer,
                 )
+                # Best effort: a fresh connection's send buffer takes these few bytes at once.
+                with contextlib.suppress(OSError):
+                    connection.sock.send(REFUSED)
                 raise ValueError("wrong proof")
             session = _session_key(self._key, connection.server_nonce, client_nonce)
             connection.opener = _Seal(session, _TO_SERVER)
@@ -418,7 +470,7 @@ class StoreServer:
     def _expire(self) -> None:
         now = time.monotonic()
         for connection in list(self._connections.values()):
-            if connection.opener is None and now >= connection.deadline:
+            if connection.opener is None and now >= connection.accepted + HANDSHAKE_S:
                 self.rejected += 1
                 self._drop(connection)
             elif connection.waiting is not None and self._answer_waiting(connection):
@@ -465,8 +517,10 @@ class SecureStore(_Store):
         timeout_s: how long connecting, ``get`` and ``wait`` may take.
 
     Raises:
-        StoreTimeout: the server could not be reached in time.
-        StoreAuthenticationError: the server did not prove the secret.
+        StoreTimeout: the server could not be reached, or did not take this process's proof,
+            in time (the message says which, and names a possible flood of connections).
+        StoreAuthenticationError: the server refused the proof (the secrets differ), or did not
+            prove the secret itself.
     """
 
     def __init__(self, addr: str, port: int, secret: str, timeout_s: float) -> None:
@@ -474,12 +528,37 @@ class SecureStore(_Store):
         self.addr, self.port = addr, port
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._sock = self._connect(addr, port, timeout_s)
-        try:
-            self._opener, self._sealer = self._handshake(_auth_key(secret), timeout_s)
-        except BaseException:
-            self._sock.close()
-            raise
+        self._sock, (self._opener, self._sealer) = self._open(_auth_key(secret), timeout_s)
+
+    def _open(self, key: bytes, timeout_s: float) -> tuple[socket.socket, tuple[_Seal, _Seal]]:
+        """Connect and prove the secret, again with backoff when the connection is closed
+        before the server answered: under load, or a flood of other connections, the server
+        may close a connection it has not read yet."""
+        deadline = time.monotonic() + timeout_s
+        pause, closed = 0.01, 0
+        while True:
+            self._sock = self._connect(self.addr, self.port, max(0.1, deadline - time.monotonic()))
+            try:
+                return self._sock, self._handshake(key, max(0.1, deadline - time.monotonic()))
+            except _ClosedEarly as exc:
+                self._sock.close()
+                closed += 1
+                if time.monotonic() + pause > deadline:
+                    raise StoreTimeout(self._unproven_message(timeout_s, closed, exc)) from None
+            except BaseException:
+                self._sock.close()
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    def _unproven_message(self, timeout_s: float, closed: int, last: Exception) -> str:
+        return (
+            f"could not prove the job secret to the store at {self.addr}:{self.port} within "
+            f"{timeout_s:g} s: it closed {closed} connection(s) before taking the proof (last: "
+            f"{last}). The store is overloaded, or another process is flooding its port with "
+            "connections (see docs/security.md, 'What a flood of connections can do'); a wrong "
+            "secret would have been refused outright. Raise HORA_START_TIMEOUT to wait longer."
+        )
 
     @staticmethod
     def _connect(addr: str, port: int, timeout_s: float) -> socket.socket:
@@ -501,21 +580,27 @@ class SecureStore(_Store):
 
     def _handshake(self, key: bytes, timeout_s: float) -> tuple[_Seal, _Seal]:
         self._sock.settimeout(max(timeout_s, 1.0))
-        greeting = self._receive(len(GREETING) + NONCE_BYTES)
-        if greeting[: len(GREETING)] != GREETING:
+        greeting = self._receive_until_closed(len(GREETING) + NONCE_BYTES)
+        if not greeting.startswith(GREETING[: len(greeting)]):
             raise StoreAuthenticationError(
                 f"the process at {self.addr}:{self.port} is not a hora store"
             )
+        if len(greeting) < len(GREETING) + NONCE_BYTES:
+            raise _ClosedEarly("closed before its greeting")
         server_nonce = greeting[len(GREETING) :]
         client_nonce = os.urandom(NONCE_BYTES)
-        self._sock.sendall(client_nonce + _proof(key, b"client", server_nonce, client_nonce))
         try:
-            answer = self._receive(PROOF_BYTES)
-        except ConnectionError:
+            self._sock.sendall(client_nonce + _proof(key, b"client", server_nonce, client_nonce))
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise _ClosedEarly(f"closed before the proof arrived ({exc})") from None
+        answer = self._receive_until_closed(PROOF_BYTES)
+        if answer == REFUSED:
             raise StoreAuthenticationError(
                 f"the store at {self.addr}:{self.port} refused this process's proof of the job "
                 "secret: the secret differs from the one the store was started with"
-            ) from None
+            )
+        if len(answer) < PROOF_BYTES:
+            raise _ClosedEarly("closed before it answered the proof")
         if not hmac.compare_digest(answer, _proof(key, b"server", client_nonce, server_nonce)):
             raise StoreAuthenticationError(
                 f"the process at {self.addr}:{self.port} did not prove that it holds the job "
@@ -524,6 +609,19 @@ class SecureStore(_Store):
         self._sock.settimeout(None)
         session = _session_key(key, server_nonce, client_nonce)
         return _Seal(session, _TO_CLIENT), _Seal(session, _TO_SERVER)
+
+    def _receive_until_closed(self, count: int) -> bytes:
+        """Up to ``count`` bytes: fewer when the server closes the connection first."""
+        data = bytearray()
+        try:
+            while len(data) < count:
+                chunk = self._sock.recv(count - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        except ConnectionResetError:
+            pass
+        return bytes(data)
 
     def _receive(self, count: int) -> bytes:
         data = bytearray()
