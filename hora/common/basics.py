@@ -65,8 +65,9 @@ class _RankFilter(logging.Filter):
     """Puts this process's current rank into log records (it changes in elastic jobs)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        topology = _state.topology
-        record.hora_rank = topology.rank if topology is not None else "?"
+        if not hasattr(record, "hora_rank"):  # a record made while joining names its rank
+            topology = _state.topology
+            record.hora_rank = topology.rank if topology is not None else "?"
         return True
 
 

@@ -306,7 +306,8 @@ def test_a_hanging_discovery_script_times_out_and_is_stopped_with_its_children(
         tmp_path,
         ["-np", "1", "--host-discovery-script", discover],
         f"horarun: the host discovery script {discover} did not finish within 2 s "
-        "(HORA_HOST_DISCOVERY_TIMEOUT) and was stopped; its stderr: looking for hosts. "
+        "(HORA_HOST_DISCOVERY_TIMEOUT, at most --elastic-timeout) and was stopped; its stderr: "
+        "looking for hosts. "
         "The job cannot start.",
         status=1,
         env=env,

@@ -151,6 +151,10 @@ def test_open_mpi_mpirun_without_mpi4py(np: int) -> None:
     check_one_host(reports, np, "OMPI_COMM_WORLD_LOCAL_RANK")
     assert all(r["authenticated"] == (np == 3) for r in reports)
     assert (UNAUTHENTICATED in done.stderr) == (np == 2)
+    if np == 2:
+        # Logged while joining, before the rank is recorded: it still names the rank.
+        warning = next(line for line in done.stderr.splitlines() if UNAUTHENTICATED in line)
+        assert "hora rank 0]" in warning, warning
 
 
 @pytest.mark.timeout(120)
@@ -273,6 +277,10 @@ def test_torchrun_standalone(np: int) -> None:
     assert all(r["rank"] == int(r["env"]["RANK"]) for r in reports)
     assert all(r["authenticated"] == (np == 3) for r in reports)
     assert (UNAUTHENTICATED in done.stderr) == (np == 2)
+    if np == 2:
+        # Logged while joining, before the rank is recorded: it still names the rank.
+        warning = next(line for line in done.stderr.splitlines() if UNAUTHENTICATED in line)
+        assert "hora rank 0]" in warning, warning
 
 
 @pytest.mark.timeout(200)

@@ -223,14 +223,65 @@ def test_a_bad_metrics_setting_fails_init_with_its_reason(spec: str, fragment: s
     assert "HORA_METRICS" in text and fragment in text, text
 
 
+NOBODY = 65534
+
+HOLD_PORT = r"""
+import socket, sys, time
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+print(sock.getsockname()[1], flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _port_held_by_another_user(hold_s: float) -> tuple[int, subprocess.Popen[str]]:
+    """A port that uid nobody listens on (any user could take a job's metrics port first)."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.path.exists(python):
+        pytest.skip("holding a port as another user needs root and a system python3")
+    holder = subprocess.Popen(
+        [python, "-c", HOLD_PORT, str(hold_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+    )
+    assert holder.stdout is not None
+    return int(holder.stdout.readline()), holder
+
+
 @pytest.mark.timeout(150)
-def test_a_port_in_use_names_the_rank_and_the_port() -> None:
+def test_a_port_another_user_holds_costs_that_ranks_endpoint_not_the_job(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    port, holder = _port_held_by_another_user(120)
+    try:
+        # Rank 0 asks for the held port; rank 1 (local rank 1) for the next one.
+        results = run_job(_train, 2, STEPS, True, env={"HORA_METRICS": f"prometheus:{port}"})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [len(r["losses"]) for r in results] == [STEPS, STEPS]
+    err = capfd.readouterr().err
+    said = [line for line in err.splitlines() if "cannot serve Prometheus metrics" in line]
+    assert len(said) == 1, err[-3000:]
+    assert f"rank 0: cannot serve Prometheus metrics on 127.0.0.1:{port}" in said[0]
+    assert "the job goes on without this rank's prometheus metrics" in said[0]
+    assert "HORA_METRICS_REQUIRED=1" in said[0]
+
+
+@pytest.mark.timeout(150)
+def test_a_port_in_use_stops_the_job_when_metrics_are_required() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         # Rank 1 (local rank 1) asks for port + 1: the taken port is rank 0's.
-        text = _error_text({"HORA_METRICS": f"prometheus:{port}"})
+        text = _error_text({"HORA_METRICS": f"prometheus:{port}", "HORA_METRICS_REQUIRED": "1"})
     assert f"rank 0: cannot serve Prometheus metrics on 127.0.0.1:{port}" in text, text
     assert "the port is in use" in text, text
 

@@ -130,6 +130,32 @@ def _alive(token: str) -> list[int]:
     return found
 
 
+@pytest.mark.timeout(30)
+def test_a_timed_out_run_is_reported_on_time_when_a_detached_helper_holds_its_output(
+    tmp_path: Path,
+) -> None:
+    """A helper that left the script's session (setsid) keeps its stdout open: the report comes
+    when the run's time is up, not when the helper ends."""
+    hang = _script(tmp_path, "setsid sleep 20 &\nsleep 60\n", "hang.sh")
+    started = time.monotonic()
+    with pytest.raises(DiscoveryError, match=r"did not finish within 0.5 s"):
+        ScriptDiscovery(hang, timeout_s=0.5).find()
+    assert time.monotonic() - started < 0.5 + 3.0
+
+
+def test_one_discovery_run_never_outlasts_the_elastic_timeout(tmp_path: Path) -> None:
+    from hora.runner.elastic.start import _discovery_from_flags
+    from hora.runner.options import parse
+
+    script = _script(tmp_path, "echo localhost:2\n", "hosts.sh")
+    args = parse(["--host-discovery-script", script, "--elastic-timeout", "7", "-np", "1", "true"])
+    discovery = _discovery_from_flags(args, elastic.Limits.from_args(args))
+    assert isinstance(discovery, ScriptDiscovery) and discovery.timeout_s == 7.0
+    args = parse(["--host-discovery-script", script, "-np", "1", "true"])
+    discovery = _discovery_from_flags(args, elastic.Limits.from_args(args))
+    assert isinstance(discovery, ScriptDiscovery) and discovery.timeout_s == 60.0
+
+
 @pytest.mark.timeout(20)
 def test_a_discovery_run_that_times_out_is_killed_with_what_it_started(tmp_path: Path) -> None:
     token = str(tmp_path / "helper")

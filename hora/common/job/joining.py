@@ -361,8 +361,9 @@ def join(
             topology.source,
             addr,
             port,
+            extra={"hora_rank": topology.rank},
         )
-    logger.debug("joined %s: %s", plan.how, topology)
+    logger.debug("joined %s: %s", plan.how, topology, extra={"hora_rank": topology.rank})
     return topology, store
 
 

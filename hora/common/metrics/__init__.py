@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from hora.common.metrics.sinks import (
     MetricsError,
     PrometheusSink,
     Sink,
+    SinkUnavailable,
     TensorBoardSink,
 )
 
@@ -47,6 +49,8 @@ __all__ = [
     "start",
     "stop",
 ]
+
+logger = logging.getLogger("hora")
 
 SINK_KINDS = ("tensorboard", "prometheus")
 
@@ -217,7 +221,9 @@ _steps_done = 0
 _lock = threading.RLock()
 
 
-def start(spec: str, ranks: str = "all", address: str = "127.0.0.1") -> None:
+def start(
+    spec: str, ranks: str = "all", address: str = "127.0.0.1", required: bool | None = None
+) -> None:
     """Start publishing live metrics from this rank (closing any publisher before).
 
     Every rank calls it; ranks not in ``ranks`` publish nothing. ``HORA_METRICS`` does the same
@@ -228,12 +234,14 @@ def start(spec: str, ranks: str = "all", address: str = "127.0.0.1") -> None:
             (rank r listens on ``PORT`` + its local rank), separated by a comma.
         ranks: ``all``, or the ranks that publish (``0``, ``0,4``).
         address: the address Prometheus endpoints bind.
+        required: whether a sink that cannot open here (its port taken, its directory not
+            writable) is an error; otherwise the rank logs why and publishes to the other sinks.
+            ``None``: ``HORA_METRICS_REQUIRED``.
 
     Raises:
         ValueError: ``init`` has not been called.
         SettingError: ``spec`` or ``ranks`` cannot be used.
-        MetricsError: a sink cannot be opened (package missing, port in use, directory not
-            writable).
+        MetricsError: a sink's package is missing, or (``required``) a sink cannot open.
 
     Example:
         >>> hvd.metrics.start("tensorboard:runs/metrics,prometheus:9400", ranks="0")
@@ -242,7 +250,10 @@ def start(spec: str, ranks: str = "all", address: str = "127.0.0.1") -> None:
         context = _context
         if context is None:
             raise ValueError("hvd.metrics.start() needs hvd.init() first.")
-        _open(context, parse_spec(spec, "hvd.metrics.start"), parse_ranks(ranks), address)
+        specs = parse_spec(spec, "hvd.metrics.start")
+        if required is None:
+            required = read(table.METRICS_REQUIRED)
+        _open(context, specs, parse_ranks(ranks), address, required)
 
 
 def stop() -> None:
@@ -280,7 +291,11 @@ def log_step(
 
 
 def _open(
-    context: _Context, specs: list[SinkSpec], ranks: frozenset[int] | None, address: str
+    context: _Context,
+    specs: list[SinkSpec],
+    ranks: frozenset[int] | None,
+    address: str,
+    required: bool,
 ) -> None:
     global current
     stop()
@@ -289,16 +304,32 @@ def _open(
     sinks: list[Sink] = []
     try:
         for spec in specs:
-            if spec.kind == "tensorboard":
-                sinks.append(TensorBoardSink(spec.target, context.rank))
-            else:
-                port = spec.port + context.local_rank
-                sinks.append(PrometheusSink(port, address, context.rank))
+            sink = _open_sink(spec, context, address, required)
+            if sink is not None:
+                sinks.append(sink)
     except Exception:
-        for sink in sinks:
-            sink.close()
+        for opened in sinks:
+            opened.close()
         raise
     current = Publisher(context.counters, context.rank, sinks, _steps_done)
+
+
+def _open_sink(spec: SinkSpec, context: _Context, address: str, required: bool) -> Sink | None:
+    """One sink; ``None`` when it cannot open here and is not required (the rank says why)."""
+    try:
+        if spec.kind == "tensorboard":
+            return TensorBoardSink(spec.target, context.rank)
+        return PrometheusSink(spec.port + context.local_rank, address, context.rank)
+    except SinkUnavailable as exc:
+        if required:
+            raise
+        logger.warning(
+            "%s; the job goes on without this rank's %s metrics (set HORA_METRICS_REQUIRED=1 "
+            "to stop instead).",
+            exc,
+            spec.kind,
+        )
+        return None
 
 
 def attach(counters: Counters, rank: int, local_rank: int) -> None:
@@ -315,7 +346,8 @@ def attach(counters: Counters, rank: int, local_rank: int) -> None:
         if spec:
             specs = parse_spec(spec)
             ranks = parse_ranks(read(table.METRICS_RANKS))
-            _open(_context, specs, ranks, read(table.METRICS_ADDR))
+            required = read(table.METRICS_REQUIRED)
+            _open(_context, specs, ranks, read(table.METRICS_ADDR), required)
 
 
 def detach() -> None:

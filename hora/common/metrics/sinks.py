@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from hora.common import safe_files
 from hora.common.metrics.records import StepRecord, StepTiming
 
 # Event files reach the disk at least this often while steps are written (and at every close).
@@ -31,6 +32,11 @@ FLUSH_INTERVAL_S = 2.0
 
 class MetricsError(ValueError):
     """Live metrics were asked for but cannot be published as asked."""
+
+
+class SinkUnavailable(MetricsError):
+    """A sink cannot open here and now (its port is taken, its directory is not writable), as
+    opposed to a setting or an installation that is wrong."""
 
 
 class Sink(Protocol):
@@ -125,10 +131,9 @@ class TensorBoardSink:
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
         self.file_path = os.path.join(self.path, name + ".hora")
         try:
-            os.makedirs(self.path, exist_ok=True)
-            file = open(self.file_path, "wb")  # noqa: SIM115 - closed by close()
+            file = safe_files.create(self.file_path, binary=True)
         except OSError as exc:
-            raise MetricsError(
+            raise SinkUnavailable(
                 f"rank {rank}: cannot write TensorBoard event files in {self.path} "
                 f"({exc.strerror or exc}). Point HORA_METRICS's tensorboard:DIR (or horarun "
                 "--metrics) at a directory this rank can write to."
@@ -233,7 +238,7 @@ class PrometheusSink:
                 port, addr=address, registry=self.registry
             )
         except OSError as exc:
-            raise MetricsError(_bind_problem(rank, address, port, exc)) from exc
+            raise SinkUnavailable(_bind_problem(rank, address, port, exc)) from exc
 
     def _make_common(self, prometheus: Any) -> None:
         """The metrics that do not come from the engine's timing."""

@@ -145,13 +145,12 @@ class ScriptDiscovery:
         try:
             stdout, stderr = process.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_session(process)
-            _, stderr = process.communicate()
+            stderr = _stop(process)
             said = _tail(stderr)
             raise DiscoveryError(
                 f"the host discovery script {self.shown} did not finish within "
-                f"{self.timeout_s:g} s (HORA_HOST_DISCOVERY_TIMEOUT) and was stopped"
-                + (f"; its stderr: {said}" if said else "")
+                f"{self.timeout_s:g} s (HORA_HOST_DISCOVERY_TIMEOUT, at most --elastic-timeout) "
+                "and was stopped" + (f"; its stderr: {said}" if said else "")
             ) from None
         finally:
             with self._lock:
@@ -165,6 +164,26 @@ class ScriptDiscovery:
             self._cancelled = True
             if self._running is not None:
                 _kill_session(self._running)
+
+
+# After a run is stopped, how long its last output may take to arrive. A helper it started in a
+# session of its own may keep the pipes open; hora does not wait for that one.
+DRAIN_S = 1.0
+
+
+def _stop(process: subprocess.Popen[bytes]) -> bytes:
+    """Kill a run that took too long, and what it wrote to stderr, without waiting on helpers
+    that left its session but hold its pipes."""
+    _kill_session(process)
+    try:
+        _, stderr = process.communicate(timeout=DRAIN_S)
+        return stderr
+    except subprocess.TimeoutExpired:
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+        process.wait()
+        return b""
 
 
 def _kill_session(process: subprocess.Popen[bytes]) -> None:

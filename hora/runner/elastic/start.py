@@ -140,7 +140,10 @@ class ElasticPlan:
 
 def _discovery_from_flags(args: argparse.Namespace, limits: Limits) -> Discovery:
     if args.host_discovery_script:
-        timeout_s = getattr(args, "host_discovery_timeout_s", DISCOVERY_TIMEOUT_S)
+        # One run never blocks the driver longer than the job waits for hosts.
+        timeout_s = min(
+            getattr(args, "host_discovery_timeout_s", DISCOVERY_TIMEOUT_S), limits.timeout_s
+        )
         return ScriptDiscovery(args.host_discovery_script, args.slots or 1, timeout_s)
     if args.hostfile:
         return StaticDiscovery(parse_hostfile(args.hostfile))
