@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import hora
-from hora.common.job import secure_store
+from hora.common.job import store_protocol, store_service
 
 NOBODY = 65534
 
@@ -110,7 +110,7 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     if python is None:
         pytest.skip("no system python3 for the attacking user")
     # hora.run's store runs in this process: its limits can be shortened here.
-    monkeypatch.setattr(secure_store, "HANDSHAKE_S", 2.0)
+    monkeypatch.setattr(store_service, "HANDSHAKE_S", 2.0)
     results: list[Any] = []
     job = threading.Thread(
         target=lambda: results.append(hora.run(_job, args=(str(tmp_path),), np=2))
@@ -142,13 +142,13 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     (tmp_path / "go").write_text("")
     job.join(timeout=120)
 
-    assert report["unproven_bytes"] == len(secure_store.GREETING) + secure_store.NONCE_BYTES
+    assert report["unproven_bytes"] == len(store_protocol.GREETING) + store_protocol.NONCE_BYTES
     assert report["closed_after_s"] < 2.0 + 3.0
     # A guess is refused in so many words; that tells the guesser only what it knew.
-    refused = secure_store.REFUSED.hex()
+    refused = store_protocol.REFUSED.hex()
     assert report["guess_answer"] == refused and report["tcpstore_answer"] == refused
-    assert report["flood_opened"] > secure_store.MAX_UNPROVEN
-    assert peak - before <= secure_store.MAX_UNPROVEN + 8, (before, peak)
+    assert report["flood_opened"] > store_service.MAX_UNPROVEN
+    assert peak - before <= store_service.MAX_UNPROVEN + 8, (before, peak)
     (ranks,) = results
     assert [r["total"] for r in ranks] == [3.0, 3.0]
     assert ranks[0]["gathered"] == [{"rank": 0}, {"rank": 1}]
@@ -310,7 +310,7 @@ def test_another_user_flooding_gloo_ports_cannot_change_results(tmp_path: Path) 
     def job() -> None:
         try:
             results.append(hora.run(_flooded_job, args=(str(tmp_path),), np=3))
-        except BaseException as exc:  # noqa: BLE001 - examined below
+        except BaseException as exc:  # examined below
             errors.append(exc)
 
     runner = threading.Thread(target=job)

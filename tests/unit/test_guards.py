@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 HOROVOD_TORCH_NAMES = [
     "init",
     "shutdown",
@@ -85,6 +87,55 @@ def test_importing_the_runner_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# Runs in a process where any import of torch fails and is remembered: the launcher's side of
+# the store (the service, and StoreClient over a StoreConnection) must work without torch.
+STORE_WITHOUT_TORCH = r"""
+import sys
+from datetime import timedelta
+
+attempts = []
+
+
+class RefuseTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            attempts.append(name)
+            raise ImportError(f"imported {name!r}")
+        return None
+
+
+sys.meta_path.insert(0, RefuseTorch())
+from hora.common.job.store import StoreClient, new_secret, read_failure, report_failure
+from hora.common.job.store import start_store_server
+
+secret = new_secret()
+server, port = start_store_server("127.0.0.1", 0, secret)
+client = StoreClient("127.0.0.1", port, secret, timeout_s=5.0)
+other = client.reconnect()
+client.set_signed("a", b"1")
+assert other.get_signed("a") == b"1"
+client.mark("here")
+assert other.marked("here") and other.all_marked(["a", "here"]) and not other.marked("gone")
+assert other.wait("here", 1.0) and not other.wait("never", 0.1)
+client.store.set(client.key("gone"), client.signed("gone", b""))
+client.delete("gone")
+assert not other.marked("gone")
+report_failure(client, "rank 1: failed")
+assert read_failure(other) == "rank 1: failed"
+server.close()
+print(attempts, sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_store_serves_and_is_used_without_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", STORE_WITHOUT_TORCH], capture_output=True, text=True, timeout=50
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] []", out.stderr
 
 
 def test_topology_queries_before_init_raise() -> None:

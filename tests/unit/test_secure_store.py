@@ -1,7 +1,9 @@
 """hora's store service: what a holder of the secret can do, and what nobody else can.
 
 Every test talks to a real server over loopback sockets; the attacks are what another local
-user can do: connect, guess, replay what it captured, or hold connections open.
+user can do: connect, guess, replay what it captured, or hold connections open. Clients are
+the torch-free ``StoreConnection`` (what the launcher uses) and, for Gloo and torch's errors,
+the ``TorchStore`` over one (what a worker's process groups use).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hora.common.job import secure_store
-from hora.common.job.secure_store import (
-    SecureStore,
+from hora.common.job import store_protocol, store_service
+from hora.common.job.store_connection import StoreConnection
+from hora.common.job.store_protocol import (
     StoreAuthenticationError,
-    StoreServer,
+    StoreConnectionError,
     StoreTimeout,
 )
+from hora.common.job.store_service import StoreServer
+from hora.common.job.torch_store import TorchStore
 
 SECRET = "a" * 64
 
@@ -34,8 +38,8 @@ def server() -> Iterator[StoreServer]:
     running.close()
 
 
-def _client(server: StoreServer, secret: str = SECRET, timeout_s: float = 5.0) -> SecureStore:
-    return SecureStore("127.0.0.1", server.port, secret, timeout_s)
+def _client(server: StoreServer, secret: str = SECRET, timeout_s: float = 5.0) -> StoreConnection:
+    return StoreConnection("127.0.0.1", server.port, secret, timeout_s)
 
 
 @pytest.mark.timeout(30)
@@ -80,8 +84,8 @@ def test_gloo_rendezvous_goes_through_it(server: StoreServer) -> None:
     results: list[torch.Tensor] = []
 
     def rank(r: int) -> None:
-        # The Python object must outlive its use from C++ (see SecureStore).
-        client = _client(server)
+        # The Python object must outlive its use from C++ (see TorchStore).
+        client = TorchStore(_client(server))
         store = dist.PrefixStore("group/", client)
         group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=20))
         tensor = torch.full((3,), float(r + 1))
@@ -94,6 +98,29 @@ def test_gloo_rendezvous_goes_through_it(server: StoreServer) -> None:
     for thread in threads:
         thread.join(timeout=40)
     assert len(results) == 2 and all(torch.equal(t, torch.full((3,), 3.0)) for t in results)
+
+
+@pytest.mark.timeout(30)
+def test_torch_gets_its_own_store_errors_and_the_launcher_plain_ones(server: StoreServer) -> None:
+    """Through a TorchStore a timeout is torch's DistStoreError and a lost connection its
+    DistNetworkError; the connection itself raises hora's torch-free errors, same messages."""
+    connection = _client(server)
+    store = TorchStore(connection)
+    store.set("k", b"v")
+    assert store.get("k") == b"v" and store.get_within("k", timedelta(seconds=1)) == b"v"
+    with pytest.raises(dist.DistStoreError, match=r"timed out after 0.2 s .*'never'") as torch_:
+        store.wait(["never"], timedelta(seconds=0.2))
+    assert isinstance(torch_.value, StoreTimeout)
+    with pytest.raises(StoreTimeout, match=r"timed out after 0.2 s .*'never'") as plain:
+        connection.wait(["never"], timedelta(seconds=0.2))
+    assert not isinstance(plain.value, dist.DistError)
+    with pytest.raises(StoreTimeout):
+        store.get_within("never", timedelta(seconds=0.1))
+    server.close()
+    with pytest.raises(dist.DistNetworkError, match="lost the connection to the store") as lost:
+        store.get("k")
+    assert isinstance(lost.value, StoreConnectionError)
+    assert isinstance(lost.value.__cause__, OSError)
 
 
 @pytest.mark.timeout(30)
@@ -123,17 +150,17 @@ def _raw(server: StoreServer) -> socket.socket:
 @pytest.mark.timeout(30)
 def test_guessed_proofs_and_plain_requests_are_refused(server: StoreServer) -> None:
     sock = _raw(server)
-    greeting = sock.recv(len(secure_store.GREETING) + secure_store.NONCE_BYTES)
-    assert greeting.startswith(secure_store.GREETING)
+    greeting = sock.recv(len(store_protocol.GREETING) + store_protocol.NONCE_BYTES)
+    assert greeting.startswith(store_protocol.GREETING)
     sock.sendall(bytes(64))  # a nonce and a guessed proof
     # Refused, and closed: the refusal tells the guesser only what it knew.
-    assert sock.recv(100) == secure_store.REFUSED
+    assert sock.recv(100) == store_protocol.REFUSED
     assert sock.recv(100) == b""
     # What TCPStore's protocol would send (a "list keys" query) gets no more.
     sock = _raw(server)
     sock.recv(100)
     sock.sendall(b"\x0b" * 64)
-    assert sock.recv(100) == secure_store.REFUSED
+    assert sock.recv(100) == store_protocol.REFUSED
     assert sock.recv(100) == b""
 
 
@@ -167,8 +194,8 @@ def test_captured_messages_cannot_be_replayed(server: StoreServer) -> None:
 def test_stray_connections_cannot_use_up_the_server(
     server: StoreServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(secure_store, "HANDSHAKE_S", 0.5)
-    strays = [_raw(server) for _ in range(secure_store.MAX_UNPROVEN * 2)]
+    monkeypatch.setattr(store_service, "HANDSHAKE_S", 0.5)
+    strays = [_raw(server) for _ in range(store_service.MAX_UNPROVEN * 2)]
     # Each one over the limit pushed out the oldest; the rest are closed when their time is up,
     # and a holder of the secret connects all along.
     store = _client(server)
@@ -236,7 +263,7 @@ def test_a_flood_of_connections_delays_workers_but_never_fails_them(
             store = _client(server, timeout_s=60.0)
             store.set(f"worker/{index}", b"here")
             finished.append(time.monotonic() - started)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     try:
@@ -253,7 +280,7 @@ def test_a_flood_of_connections_delays_workers_but_never_fails_them(
     assert not errors, errors
     assert len(finished) == 24
     # The flood really competed: the server pushed out connections to let workers in.
-    assert opened[0] > secure_store.MAX_UNPROVEN and server.rejected > 0
+    assert opened[0] > store_service.MAX_UNPROVEN and server.rejected > 0
     assert _client(server).num_keys() >= 8
 
 
@@ -274,7 +301,7 @@ def test_a_client_whose_connections_are_all_closed_early_names_a_possible_flood(
                 sock, _ = listener.accept()
             except TimeoutError:
                 continue
-            sock.sendall(secure_store.GREETING + bytes(secure_store.NONCE_BYTES))
+            sock.sendall(store_protocol.GREETING + bytes(store_protocol.NONCE_BYTES))
             sock.recv(100)
             sock.close()
             accepted[0] += 1
@@ -283,7 +310,7 @@ def test_a_client_whose_connections_are_all_closed_early_names_a_possible_flood(
     thread.start()
     try:
         with pytest.raises(StoreTimeout, match="flooding its port with connections") as info:
-            SecureStore("127.0.0.1", listener.getsockname()[1], SECRET, 2.0)
+            StoreConnection("127.0.0.1", listener.getsockname()[1], SECRET, 2.0)
     finally:
         stop.set()
         thread.join(timeout=5)
@@ -298,6 +325,8 @@ def test_a_store_connection_does_not_pickle(server: StoreServer) -> None:
 
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(_client(server))
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(TorchStore(_client(server)))
 
 
 @pytest.mark.timeout(30)

@@ -51,9 +51,17 @@ def test_a_late_watcher_still_hears_the_next_rounds_doorbell(served: tuple[str, 
 
 
 @pytest.mark.timeout(30)
-def test_a_key_deleted_after_it_was_seen_reads_as_gone_at_once(served: tuple[str, int]) -> None:
+@pytest.mark.parametrize("through", ["connection", "torch store"])
+def test_a_key_deleted_after_it_was_seen_reads_as_gone_at_once(
+    served: tuple[str, int], through: str
+) -> None:
     secret, port = served
     store = StoreClient("127.0.0.1", port, secret, timeout_s=20.0)
+    if through == "torch store":
+        # A worker's process groups reach hora's store through a torch.distributed.Store.
+        from hora.common.job.torch_store import TorchStore
+
+        store.store = TorchStore(store.store)
     store.mark("g0/wake/1")
     assert store._read_seen("g0/wake/1") == b""
     store.delete("g0/wake/1")

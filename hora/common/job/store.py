@@ -1,7 +1,7 @@
 """The job's key-value store as workers see it: namespaced keys and authenticated values.
 
 ``horarun``, ``hora.run``, the elastic driver and Ray run hora's own store service
-(:mod:`hora.common.job.secure_store`), which only holders of the job secret can connect to;
+(:mod:`hora.common.job.store_service`), which only holders of the job secret can connect to;
 under other launchers rank 0 runs one, or hora uses the launcher's own (torchrun's agent store,
 a ``TCPStore`` without access control) under a key prefix (see
 :mod:`hora.common.job.joining`). On top of that:
@@ -19,6 +19,11 @@ a ``TCPStore`` without access control) under a key prefix (see
   A forged value raises :class:`AuthenticationError`, which the callers turn into an error that
   names tampering.
 
+A :class:`StoreClient` of hora's own store service talks through a
+:class:`~hora.common.job.store_connection.StoreConnection`, which needs no torch: the launcher
+uses it too. torch is imported only where a torch object is needed, on workers: torchrun's
+``TCPStore``, the ``HashStore`` of a job of one, and :meth:`StoreClient.scoped` for Gloo.
+
 This module knows stores and bytes; it does not know the engine.
 """
 
@@ -30,10 +35,12 @@ import secrets
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from hora.common.job.store_connection import BoundedGetStore, StoreConnection
 from hora.common.job.store_keys import FAILURE, PARKED
+from hora.common.job.store_protocol import StoreAuthenticationError, StoreTimeout
 
 if TYPE_CHECKING:
-    from hora.common.job.secure_store import StoreServer
+    from hora.common.job.store_service import StoreServer
 
 TAG_BYTES = 32
 # How long a read waits for a key that was there a moment ago before taking it as deleted.
@@ -128,7 +135,7 @@ def has_mark(store: Any, key: str, secret: str) -> bool:
 
 
 def start_store_server(bind_address: str, port: int, secret: str) -> tuple[StoreServer, int]:
-    """Start hora's store service (:class:`~hora.common.job.secure_store.StoreServer`) listening
+    """Start hora's store service (:class:`~hora.common.job.store_service.StoreServer`) listening
     only on ``bind_address``; only holders of ``secret`` can use it.
 
     Args:
@@ -142,10 +149,17 @@ def start_store_server(bind_address: str, port: int, secret: str) -> tuple[Store
     Raises:
         OSError: the address is not this host's, or the port is taken.
     """
-    from hora.common.job.secure_store import StoreServer
+    from hora.common.job.store_service import StoreServer
 
     server = StoreServer(bind_address, port, secret)
     return server, server.port
+
+
+def _torch_distributed() -> Any:
+    """``torch.distributed``, imported only where a torch store is made (on workers)."""
+    import torch.distributed
+
+    return torch.distributed
 
 
 def _unreachable(addr: str, port: int, timeout_s: float, exc: Exception) -> RuntimeError:
@@ -179,21 +193,18 @@ class StoreClient:
         prefix: str = "",
         foreign: bool = False,
     ) -> None:
-        import torch.distributed
-
-        dist: Any = torch.distributed
-
         self.addr = addr
         self.port = port
         self.secret = secret
         self.timeout_s = timeout_s
         self.prefix = prefix
         self.foreign = foreign
+        # The torch.distributed.Store over self.store, once scoped() made one: kept while the
+        # process groups made over it live (C++ reaches it through the Python object).
+        self._torch_store: Any = None
         if addr and not foreign:
-            from hora.common.job.secure_store import SecureStore, StoreAuthenticationError
-
             try:
-                self.store: Any = SecureStore(addr, port, secret, timeout_s)
+                self.store: Any = StoreConnection(addr, port, secret, timeout_s)
             except StoreAuthenticationError as exc:
                 raise RuntimeError(
                     f"the job's rendezvous store at {addr}:{port} refused this process or could "
@@ -204,7 +215,7 @@ class StoreClient:
                 raise _unreachable(addr, port, timeout_s, exc) from exc
         elif addr:
             try:
-                self.store = dist.TCPStore(
+                self.store = _torch_distributed().TCPStore(
                     addr,
                     port,
                     None,
@@ -215,7 +226,7 @@ class StoreClient:
             except (RuntimeError, ValueError) as exc:
                 raise _unreachable(addr, port, timeout_s, exc) from exc
         else:
-            self.store = dist.HashStore()
+            self.store = _torch_distributed().HashStore()
         self.namespace = prefix + namespace_for(secret)
 
     def reconnect(self) -> StoreClient:
@@ -232,12 +243,21 @@ class StoreClient:
         return f"{self.namespace}/{name}"
 
     def scoped(self, scope: str) -> Any:
-        """A ``torch.distributed.PrefixStore`` for a process group's own rendezvous."""
-        import torch.distributed
+        """A ``torch.distributed.PrefixStore`` for a process group's own rendezvous (on a
+        worker: this imports torch)."""
+        prefix = f"{self.namespace}/{scope}/"
+        return _torch_distributed().PrefixStore(prefix, self._as_torch_store())
 
-        dist: Any = torch.distributed
+    def _as_torch_store(self) -> Any:
+        """``self.store`` as a ``torch.distributed.Store`` (hora's connection needs one over
+        it; torch's stores are one)."""
+        if not isinstance(self.store, StoreConnection):
+            return self.store
+        if self._torch_store is None:
+            from hora.common.job.torch_store import TorchStore
 
-        return dist.PrefixStore(f"{self.namespace}/{scope}/", self.store)
+            self._torch_store = TorchStore(self.store)
+        return self._torch_store
 
     def signed(self, name: str, data: bytes) -> bytes:
         """``data`` signed for the key ``name`` (for a ``compare_set`` of a signed value)."""
@@ -268,10 +288,8 @@ class StoreClient:
         Raises:
             AuthenticationError: the value was not written by :meth:`set_signed` of this job.
         """
-        from hora.common.job.secure_store import SecureStore, StoreTimeout
-
         key = self.key(name)
-        if not isinstance(self.store, SecureStore):
+        if not isinstance(self.store, BoundedGetStore):
             return self.verified(name, bytes(self.store.get(key)))
         try:
             blob = self.store.get_within(key, timedelta(seconds=_GONE_AFTER_S))
