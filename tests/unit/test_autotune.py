@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hora.common.engine.autotune import Autotuner, Candidate, candidates
-from hora.common.engine.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from hora.common.engine.steady.schedule import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 MIB = 1024 * 1024
 

@@ -37,7 +37,7 @@ def _request(
 
 
 def _entry(request: Request, tensor: torch.Tensor) -> Entry:
-    return Entry(request, tensor, None, Handle(1, request.kind))
+    return Entry(request, tensor, None, Handle(1, 1, request.kind))
 
 
 def _carrier_with(threshold: int, *entries: Entry) -> carry.Carrier:

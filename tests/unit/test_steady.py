@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from hora.common.engine import steady
+from hora.common.engine.steady.schedule import (
+    DEVIATED,
+    FOLLOWING,
+    MAX_PERIOD,
+    History,
+    blocked_code,
+    build_schedule,
+    cuts_from,
+)
 from hora.common.message import ReduceOp, Request, RequestType, Response
 
 
@@ -13,8 +21,8 @@ def _response(name: str, numel: int = 10, **fields: object) -> Response:
     )
 
 
-def _history(names: list[str], repeats: int = 2) -> steady.History:
-    history = steady.History(repeats=repeats)
+def _history(names: list[str], repeats: int = 2) -> History:
+    history = History(repeats=repeats)
     for name in names:
         history.record(_response(name))
     return history
@@ -55,8 +63,8 @@ def test_a_long_run_of_new_names_stays_bounded_and_a_period_is_still_found() -> 
     # Unnamed calls give every call a new name: the history keeps a bounded tail of them, and
     # a training loop that starts afterwards is recognised as before (after three steps: what
     # precedes the repetitions must belong to the period).
-    history = _history([f"noname.{i}" for i in range(4 * steady.MAX_PERIOD)])
-    assert len(history.responses) <= (history.repeats + 1) * steady.MAX_PERIOD
+    history = _history([f"noname.{i}" for i in range(4 * MAX_PERIOD)])
+    assert len(history.responses) <= (history.repeats + 1) * MAX_PERIOD
     assert history.period() is None
     for name in ["a", "b", "c"] * 3:
         history.record(_response(name))
@@ -66,7 +74,7 @@ def test_a_long_run_of_new_names_stays_bounded_and_a_period_is_still_found() -> 
 
 
 def test_a_name_seen_again_after_the_longest_period_is_no_period() -> None:
-    names = [f"n{i}" for i in range(steady.MAX_PERIOD)]
+    names = [f"n{i}" for i in range(MAX_PERIOD)]
     history = _history(["x", *names, "x", *names, "x"], repeats=2)
     assert history.period() is None
     # After a clear, earlier names are forgotten.
@@ -102,23 +110,23 @@ def test_batches_close_past_the_first_bucket_then_past_the_next() -> None:
         _response("c", 10),
         _response("d", 10),
     ]
-    schedule = steady.build_schedule(period, 64 * 1024 * 1024)
+    schedule = build_schedule(period, 64 * 1024 * 1024)
     assert [[r.name for r in b] for b in schedule.batches] == [["small", "big"], ["c", "d"]]
 
 
 def test_batches_respect_the_fusion_threshold_cuts_and_fusion_keys() -> None:
     period = [_response("a"), _response("b"), _response("c", prescale=0.5), _response("d")]
-    by_threshold = steady.build_schedule(period[:2], 40)  # 40 bytes: one tensor per batch
+    by_threshold = build_schedule(period[:2], 40)  # 40 bytes: one tensor per batch
     assert [[r.name for r in b] for b in by_threshold.batches] == [["a"], ["b"]]
-    cut = steady.build_schedule(period[:2], 1 << 20, {"b"})
+    cut = build_schedule(period[:2], 1 << 20, {"b"})
     assert [[r.name for r in b] for b in cut.batches] == [["a"], ["b"]]
-    keyed = steady.build_schedule(period, 1 << 20)
+    keyed = build_schedule(period, 1 << 20)
     assert [[r.name for r in b] for b in keyed.batches] == [["a", "b"], ["c"], ["d"]]
 
 
 def test_the_schedule_expects_its_own_requests_only() -> None:
     period = [_response("a"), _response("b", 1 << 20), _response("c")]
-    schedule = steady.build_schedule(period, 1 << 30)
+    schedule = build_schedule(period, 1 << 30)
     a, b, c = (r.template() for r in period)
     assert schedule.expects(a) and schedule.expects(c)
     schedule.advance()
@@ -132,8 +140,8 @@ def test_the_schedule_expects_its_own_requests_only() -> None:
 
 def test_codes_of_blocked_ranks_become_cuts() -> None:
     batch = [Request(n, RequestType.ALLREDUCE) for n in ("a", "b", "c")]
-    assert steady.cuts_from(batch, [steady.FOLLOWING, steady.DEVIATED]) == set()
-    assert steady.cuts_from(batch, [steady.blocked_code(1), steady.FOLLOWING]) == {"b"}
-    assert steady.cuts_from(batch, [steady.blocked_code(2), steady.blocked_code(1)]) == {"b", "c"}
+    assert cuts_from(batch, [FOLLOWING, DEVIATED]) == set()
+    assert cuts_from(batch, [blocked_code(1), FOLLOWING]) == {"b"}
+    assert cuts_from(batch, [blocked_code(2), blocked_code(1)]) == {"b", "c"}
     # Out of the range a code can carry exactly: cut before every tensor of the batch.
-    assert steady.cuts_from(batch, [steady.blocked_code(5000)]) == {"b", "c"}
+    assert cuts_from(batch, [blocked_code(5000)]) == {"b", "c"}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from hora.common import safe_files
-from hora.common.engine.steady import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from hora.common.engine.steady.schedule import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 logger = logging.getLogger("hora")
 

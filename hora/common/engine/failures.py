@@ -84,7 +84,7 @@ class Watcher(threading.Thread):
         self._event.set()
         try:
             self._ring_store.set_signed(self._keys.wake(self._watching), b"")
-        except Exception:  # noqa: BLE001 - best effort at exit
+        except Exception:  # best effort at exit
             pass
 
     def run(self) -> None:
@@ -111,7 +111,7 @@ class Watcher(threading.Thread):
         except AuthenticationError as exc:
             self.failure = tampering(exc)
             self._abort()
-        except Exception as exc:  # noqa: BLE001 - store gone: let the engine find out
+        except Exception as exc:  # store gone: let the engine find out
             if self._running() and not self._stop_flag:
                 self.failure = f"the job's rendezvous store became unreachable: {exc}"
                 self._abort()
@@ -159,7 +159,7 @@ def diagnose(
         report = read_failure(store) if reported else ""
     except AuthenticationError as exc:
         return tampering(exc, rank)
-    except Exception as exc:  # noqa: BLE001 - the store itself may be gone
+    except Exception as exc:  # the store itself may be gone
         return (
             f"rank {rank}: a collective failed ({error}) and the job's rendezvous store "
             f"is unreachable ({exc}); the launcher or the host of rank 0 may have exited."
@@ -209,7 +209,7 @@ class DeadlockCheck:
         try:
             self._store.set_signed(self._keys.waits(self._rank), text.encode())
             self._recorded = text
-        except Exception as exc:  # noqa: BLE001 - a lost store fails the job elsewhere
+        except Exception as exc:  # a lost store fails the job elsewhere
             logger.debug("rank %d could not record its waits: %s", self._rank, exc)
 
     def check(self, table: MessageTable, awaited: list[Key]) -> str | None:
@@ -229,7 +229,7 @@ class DeadlockCheck:
                 if not self._store.check(key):
                     return None
                 waits[rank] = _keys_from_json(self._store.get_signed(key))
-        except Exception as exc:  # noqa: BLE001 - a record that cannot be read is no deadlock
+        except Exception as exc:  # a record that cannot be read is no deadlock
             logger.debug("rank 0 could not read the ranks' waits: %s", exc)
             return None
         reason = self._stall.deadlock(table, waits, idle)

@@ -92,7 +92,7 @@ class Finisher(threading.Thread):
                     complete()
             except TransportError as exc:
                 error = self._transport_failed(str(exc))
-            except Exception as exc:  # noqa: BLE001 - every failure must reach the user's handles
+            except Exception as exc:  # every failure must reach the user's handles
                 logger.exception("hora could not complete an allreduce on rank %d", self._rank)
                 error = f"rank {self._rank}: completing an allreduce failed: {exc!r}"
             if error is not None:

@@ -9,7 +9,6 @@ values; it holds no engine state.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -40,6 +39,7 @@ class Handle:
     """The pending result of one collective call (several tensors for a grouped call).
 
     Args:
+        number: the handle's number among its engine's (Horovod's handles are integers).
         count: the number of tensors (entries) of the call.
         kind: the operation.
         grouped: whether it is a grouped call (its result is a list).
@@ -58,16 +58,15 @@ class Handle:
         "results",
     )
 
-    _ids = itertools.count(1)
-
     def __init__(
         self,
+        number: int,
         count: int,
         kind: RequestType,
         grouped: bool = False,
         observer: WaitObserver | None = None,
     ) -> None:
-        self.id = next(Handle._ids)
+        self.id = number
         self.kind = kind
         self.grouped = grouped
         self.observer = observer
@@ -80,12 +79,6 @@ class Handle:
         self._latch = threading.Lock()
         if not self._done:
             self._latch.acquire()
-
-    @classmethod
-    def restart_numbering(cls) -> None:
-        """Number handles from 1 again (at ``init``: unnamed ops are named after the number,
-        and every rank of a new job, or of an elastic job's new round, must count alike)."""
-        cls._ids = itertools.count(1)
 
     def done(self) -> bool:
         return self._done

@@ -1,10 +1,14 @@
-"""The intake: where user threads hand entries to the engine, and wait for them.
+"""The intake: where user threads hand entries to the engine, and where the engine thread waits.
 
-It owns what both sides touch, under one lock: the queue of new entries, the table of entries
-in flight (by key, so a name is unique within its process set), the threads blocked on
-handles, and whether the engine still takes work. The engine thread drains the queue, takes
-entries out when it runs them, and puts them back when it must negotiate them again. It knows
-entries and handles, never tensors' contents or transports.
+It owns what the user threads, the watcher, the finisher and the engine thread touch, under one
+lock: the queue of new entries, the table of entries in flight (by key, so a name is unique
+within its process set), the threads blocked on handles, whether the engine still takes work,
+why the job is ending, and the parking rounds whose doorbell rang. The lock, as a condition the
+engine thread waits on, is private to :class:`Intake`: everyone else calls its transitions, and
+a transition that takes a callback runs it under the lock. That is how the steady state changes
+what submitting threads stage into atomically with their submissions.
+
+It knows entries and handles, never tensors' contents, schedules or transports.
 """
 
 from __future__ import annotations
@@ -12,40 +16,91 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from hora.common.engine.handles import Entry, Handle, fail
+from hora.common.engine.timing import WATCH_INTERVAL_S
 from hora.common.errors import DUPLICATE_NAME, HoraInternalError, HoraValueError, shut_down_message
 from hora.common.message import Key, key_parts
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class Wait:
+    """What a look in :meth:`Intake.wait_steady` returns while it must wait: this long at most
+    (seconds), or until the condition is notified."""
+
+    timeout_s: float
 
 
 class Intake:
     """The user threads' side of the engine (a :class:`~hora.common.engine.handles.WaitObserver`).
 
-    Attributes:
-        wakeup: the lock, as a condition the engine thread waits on for new work.
-        queue: entries submitted since the engine last drained them.
-        in_flight: every entry submitted and not yet run, by key.
-        blocked: handles user threads are blocked on, with when each started waiting.
-        taken: entries the current cycle took out of ``in_flight`` (handed back should it fail).
-        running: whether the engine takes work.
-        shutdown_reason: why the job is ending, once it is.
-        failure: the diagnosis every call raises once the job failed.
-        steady: whether the steady state runs (waits then wake the engine).
-        on_poll: called, under the lock, when a thread polls a handle that is not done.
+    Transitions, by caller:
+
+    - user threads: :meth:`submit`, :meth:`waiting`, :meth:`polled`;
+    - the engine's lifecycle: :meth:`start`, :meth:`request_shutdown`, :meth:`fail`, :meth:`end`,
+      :meth:`stop`;
+    - a negotiated cycle: :meth:`begin_cycle`, :meth:`wait_for_work`, :meth:`drain`, :meth:`take`,
+      :meth:`get`, :meth:`hand_back`, :meth:`hand_back_taken`; the finisher: :meth:`notify`;
+    - parking: :meth:`wait_parked`, and :meth:`ring` (the watcher heard a doorbell);
+    - the steady state: :meth:`when_polled`, :meth:`enter_steady`, :meth:`between_submissions`,
+      :meth:`wait_steady`, :meth:`leave_steady`.
     """
 
     def __init__(self) -> None:
-        self.wakeup = threading.Condition(threading.Lock())
-        self.queue: deque[Entry] = deque()
-        self.in_flight: dict[Key, Entry] = {}
-        self.blocked: dict[Handle, float] = {}
-        self.taken: list[Entry] = []
-        self.running = False
-        self.shutdown_reason: str | None = None
-        self.failure: str | None = None
-        self.steady = False
-        self.on_poll: Callable[[], None] | None = None
+        # The lock over everything here, as a condition the engine thread waits on.
+        self._wakeup = threading.Condition(threading.Lock())
+        # Entries submitted since the engine last drained them.
+        self._queue: deque[Entry] = deque()
+        # Every entry submitted and not yet run, by key.
+        self._in_flight: dict[Key, Entry] = {}
+        # Handles user threads are blocked on, with when each started waiting.
+        self._blocked: dict[Handle, float] = {}
+        # Entries the current cycle took out of _in_flight (handed back should it fail); the
+        # engine thread's alone.
+        self._taken: list[Entry] = []
+        self._running = False
+        self._shutdown_reason: str | None = None
+        self._failure: str | None = None
+        # Whether the steady state runs (waits then wake the engine).
+        self._steady = False
+        # Called, under the lock, when a thread polls a handle that is not done; says whether
+        # the engine thread must wake.
+        self._on_poll: Callable[[], bool] | None = None
+        # The latest parking round whose doorbell rang.
+        self._rung = 0
+
+    # ------------------------------------------------------------- what anyone may read
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine takes work."""
+        return self._running
+
+    @property
+    def shutdown_reason(self) -> str | None:
+        """Why the job is ending, once it is."""
+        return self._shutdown_reason
+
+    @property
+    def failure(self) -> str | None:
+        """The diagnosis every call raises once the job failed."""
+        return self._failure
+
+    @property
+    def has_queued(self) -> bool:
+        """Whether entries wait to be drained (read without the lock: a hint)."""
+        return bool(self._queue)
+
+    @property
+    def blocked(self) -> Mapping[Handle, float]:
+        """The handles user threads are blocked on, with when each started waiting; read it
+        under the lock, from a transition's callback."""
+        return self._blocked
 
     # ------------------------------------------------------------- user threads
 
@@ -64,10 +119,10 @@ class Intake:
             HoraValueError: a name is already in flight on this rank in its process set.
             HoraInternalError: the engine has stopped.
         """
-        with self.wakeup:
-            if not self.running or self.shutdown_reason is not None:
-                raise HoraInternalError(self.failure or shut_down_message(self.shutdown_reason))
-            in_flight = self.in_flight
+        with self._wakeup:
+            if not self._running or self._shutdown_reason is not None:
+                raise HoraInternalError(self._failure or shut_down_message(self._shutdown_reason))
+            in_flight = self._in_flight
             for entry in entries:
                 if entry.request.key in in_flight:
                     raise HoraValueError(DUPLICATE_NAME.format(name=entry.request.name))
@@ -78,59 +133,107 @@ class Intake:
             if submitted:
                 for entry in entries:
                     entry.submitted = submitted
-            self.queue.extend(entries)
+            self._queue.extend(entries)
             if admit(entries):
-                self.wakeup.notify_all()
+                self._wakeup.notify_all()
 
     def waiting(self, handle: Handle, blocked: bool) -> None:
-        with self.wakeup:
+        with self._wakeup:
             if blocked:
-                self.blocked[handle] = time.monotonic()
+                self._blocked[handle] = time.monotonic()
             else:
-                self.blocked.pop(handle, None)
-            if self.steady:
-                self.wakeup.notify_all()
+                self._blocked.pop(handle, None)
+            if self._steady:
+                self._wakeup.notify_all()
 
     def polled(self) -> None:
-        with self.wakeup:
-            if self.on_poll is not None:
-                self.on_poll()
+        with self._wakeup:
+            if self._on_poll is not None and self._on_poll():
+                self._wakeup.notify_all()
 
-    # ------------------------------------------------------------- engine thread
+    def awaited(self, after_s: float) -> list[Key]:
+        """Keys still in flight that some thread has waited for ``after_s`` or longer."""
+        now = time.monotonic()
+        with self._wakeup:
+            blocked = self._blocked
+            awaited = [
+                key
+                for key, entry in self._in_flight.items()
+                if now - blocked.get(entry.handle, now) >= after_s
+            ]
+        return sorted(awaited, key=key_parts)
+
+    # ------------------------------------------------------------- the engine's lifecycle
+
+    def start(self) -> None:
+        """The engine takes work from now on."""
+        with self._wakeup:
+            self._running = True
+
+    def request_shutdown(self, reason: str) -> None:
+        """End the job (through the next exchange) for ``reason``, unless a reason was given
+        before (the first one stands); wakes the engine thread."""
+        with self._wakeup:
+            if self._shutdown_reason is None:
+                self._shutdown_reason = reason
+            self._wakeup.notify_all()
+
+    def fail(self, message: str) -> None:
+        """The job failed: every call raises ``message`` from now on (:meth:`end` fails those
+        pending)."""
+        with self._wakeup:
+            self._failure = message
+
+    def end(self, message: str) -> None:
+        """Orderly stop: every pending and future call fails with ``message``."""
+        with self._wakeup:
+            self._running = False
+            pending = list(self._in_flight.values()) + list(self._queue)
+            self._in_flight.clear()
+            self._queue.clear()
+        fail(pending, message)
+
+    def stop(self) -> None:
+        """The engine thread has ended: it takes no more work."""
+        with self._wakeup:
+            self._running = False
+
+    # ------------------------------------------------------------- a negotiated cycle
+
+    def begin_cycle(self) -> None:
+        """A cycle starts: what the last one took out of the in-flight table has run."""
+        self._taken = []
 
     def drain(self) -> list[Entry]:
-        with self.wakeup:
-            new = list(self.queue)
-            self.queue.clear()
+        with self._wakeup:
+            new = list(self._queue)
+            self._queue.clear()
             return new
 
     def take(self, keys: Sequence[Key]) -> list[Entry | None]:
         """Take these keys' entries out of the in-flight table (``None`` where there is none);
         should the cycle fail, they are handed back so that their handles fail too."""
-        with self.wakeup:
-            entries = [self.in_flight.pop(key, None) for key in keys]
-        self.taken.extend(entry for entry in entries if entry is not None)
+        with self._wakeup:
+            entries = [self._in_flight.pop(key, None) for key in keys]
+        self._taken.extend(entry for entry in entries if entry is not None)
         return entries
 
     def get(self, keys: Iterable[Key]) -> list[Entry | None]:
         """The entries of these keys still in flight, without taking them."""
-        with self.wakeup:
-            return [self.in_flight.get(key) for key in keys]
+        with self._wakeup:
+            return [self._in_flight.get(key) for key in keys]
 
     def hand_back(self, entries: Iterable[Entry | None]) -> None:
         """The job is failing: make entries visible again so that their handles fail with the
         diagnosis instead of waiting forever."""
-        with self.wakeup:
+        with self._wakeup:
             for entry in entries:
                 if entry is not None:
-                    self.in_flight[entry.request.key] = entry
+                    self._in_flight[entry.request.key] = entry
 
-    def requeue(self, entries: list[Entry]) -> None:
-        """Put entries back in flight and at the front of the queue, in order (they are
-        negotiated again). Called with the lock held."""
-        for entry in entries:
-            self.in_flight[entry.request.key] = entry
-        self.queue.extendleft(reversed(entries))
+    def hand_back_taken(self) -> None:
+        """The cycle failed: hand back what it took (see :meth:`hand_back`)."""
+        self.hand_back(self._taken)
 
     def wait_for_work(
         self, deadline: float | None, until: Callable[[], bool] = lambda: False
@@ -138,38 +241,106 @@ class Intake:
         """Return when there is new work, the job ends, ``until()`` holds (checked whenever the
         lock's condition is notified), or ``deadline`` (monotonic) passed; ``None`` waits for
         work however long it takes."""
-        with self.wakeup:
-            while not self.queue and self.shutdown_reason is None and not until():
+        with self._wakeup:
+            while not self._queue and self._shutdown_reason is None and not until():
                 if deadline is None:
-                    self.wakeup.wait()
+                    self._wakeup.wait()
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                self.wakeup.wait(timeout=remaining)
+                self._wakeup.wait(timeout=remaining)
 
     def notify(self) -> None:
         """Wake a thread waiting in :meth:`wait_for_work` to look at its condition again."""
-        with self.wakeup:
-            self.wakeup.notify_all()
+        with self._wakeup:
+            self._wakeup.notify_all()
 
-    def end(self, message: str) -> None:
-        """Orderly stop: every pending and future call fails with ``message``."""
-        with self.wakeup:
-            self.running = False
-            pending = list(self.in_flight.values()) + list(self.queue)
-            self.in_flight.clear()
-            self.queue.clear()
-        fail(pending, message)
+    # ------------------------------------------------------------- parking
 
-    def awaited(self, after_s: float) -> list[Key]:
-        """Keys still in flight that some thread has waited for ``after_s`` or longer."""
-        now = time.monotonic()
-        with self.wakeup:
-            blocked = self.blocked
-            awaited = [
-                key
-                for key, entry in self.in_flight.items()
-                if now - blocked.get(entry.handle, now) >= after_s
-            ]
-        return sorted(awaited, key=key_parts)
+    def ring(self, round_: int) -> None:
+        """The doorbell of parking round ``round_`` rang: wake the engine if it is parked."""
+        with self._wakeup:
+            self._rung = max(self._rung, round_)
+            self._wakeup.notify_all()
+
+    def wait_parked(
+        self,
+        round_: int,
+        failure_seen: Callable[[], bool],
+        stalled: Callable[[], str | None],
+        deadlocked: Callable[[], str | None],
+    ) -> bool:
+        """Sleep while parked in round ``round_``: until the watcher saw a failure, this rank has
+        work or the job ends (returns True: ring the others' doorbell), or the round's doorbell
+        rang.
+
+        After each wait (``WATCH_INTERVAL_S`` at most), ``stalled()`` runs under the lock and
+        ``deadlocked()`` without it; a reason either returns ends the job.
+        """
+        with self._wakeup:
+            while True:
+                if failure_seen():
+                    return False
+                if self._queue or self._shutdown_reason is not None:
+                    return True
+                if self._rung >= round_:
+                    return False
+                self._wakeup.wait(timeout=WATCH_INTERVAL_S)
+                stall = stalled()
+                # Every rank parks when nobody has anything new: that is where a deadlock
+                # shows. The store calls run without the lock, which user threads need.
+                self._wakeup.release()
+                try:
+                    deadlock = deadlocked()
+                finally:
+                    self._wakeup.acquire()
+                self._shutdown_reason = self._shutdown_reason or stall or deadlock
+
+    # ------------------------------------------------------------- the steady state
+
+    def when_polled(self, callback: Callable[[], bool]) -> None:
+        """Call ``callback`` (under the lock) when a thread polls a handle that is not done; it
+        says whether the engine thread must wake."""
+        with self._wakeup:
+            self._on_poll = callback
+
+    def enter_steady(self, install: Callable[[], None]) -> None:
+        """Install a schedule (``install()``, under the lock): from now on a thread that starts
+        or stops waiting on a handle wakes the engine."""
+        with self._wakeup:
+            install()
+            self._steady = True
+
+    def between_submissions(self, change: Callable[[], _T]) -> _T:
+        """Run ``change`` while no thread submits: what submissions stage into (the steady
+        state's buffers) changes atomically with respect to them."""
+        with self._wakeup:
+            return change()
+
+    def wait_steady(
+        self, begin: Callable[[], None], look: Callable[[deque[Entry]], _T | Wait]
+    ) -> _T:
+        """Wait for the steady state's next batch to be decided.
+
+        Under the lock: ``begin()``, then ``look(queue)`` (it may take submitted entries from the
+        front of the queue) each time the condition is notified, until it returns an outcome
+        rather than a :class:`Wait`.
+        """
+        with self._wakeup:
+            begin()
+            while True:
+                outcome = look(self._queue)
+                if not isinstance(outcome, Wait):
+                    return outcome
+                self._wakeup.wait(timeout=outcome.timeout_s)
+
+    def leave_steady(self, entries: list[Entry], uninstall: Callable[[], None]) -> None:
+        """Back to negotiation: put ``entries`` back in flight and at the front of the queue, in
+        order (they are negotiated again), and ``uninstall()`` the schedule, atomically."""
+        with self._wakeup:
+            for entry in entries:
+                self._in_flight[entry.request.key] = entry
+            self._queue.extendleft(reversed(entries))
+            uninstall()
+            self._steady = False

@@ -45,6 +45,10 @@ class StallInspector:
     def due(self) -> bool:
         return self.enabled and time.monotonic() - self._last_check >= min(self.warning_time_s, 5.0)
 
+    def check_if_due(self, table: MessageTable) -> str | None:
+        """:meth:`check`, when a check is due and the table holds anything."""
+        return self.check(table) if self.due() and table else None
+
     def check(self, table: MessageTable) -> str | None:
         """Log a warning for stalled tensors; return a shutdown reason when past the limit."""
         now = time.monotonic()

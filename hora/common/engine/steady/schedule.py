@@ -1,20 +1,10 @@
-"""Steady state: replaying an agreed, repeating sequence of allreduces without negotiation.
+"""The steady state's schedule: its pure parts, without threads, buffers or transports.
 
-A training loop submits the same gradients, in the same order, every step. Once every rank has
-seen the agreed sequence of allreduces repeat (the same names and requests, twice in a row,
-with nothing else in between and nothing pending), every rank derives the same *schedule* from
-it: the period's responses, packed into fused batches. From then on each rank runs batch after
-batch as soon as its own tensors for the batch are there, with no negotiation round: the data
-allreduce is the only point where ranks meet, as in PyTorch DDP.
-
-Every batch carries one extra element, a *deviation flag*, reduced with the data. A rank that
-submits anything the schedule does not predict (another name, another shape, another kind of
-operation, a join, a shutdown), or whose user thread blocks on a result while the batch it
-needs cannot fill, contributes the flag instead of data. Every rank then sees the flag, puts
-the batch's tensors back in its queue untouched, and returns to negotiation at the same batch,
-so a deviation costs one wasted round and never a hang or a mismatched collective.
-
-This module holds the pure parts (period detection, schedule, matching); the engine runs it.
+It finds the period (the agreed allreduces repeating, :class:`History`), cuts it into batches as
+DDP cuts gradients into buckets (:func:`build_schedule`), tells whether a submitted request is
+the one the :class:`Schedule` expects, and defines the codes a rank contributes with each batch
+(following, deviated, or blocked before a tensor) and the cuts they imply. :mod:`.replay` runs
+the schedule; this module does not know how, nor anything of tensors' contents.
 """
 
 from __future__ import annotations
@@ -93,7 +83,7 @@ class Schedule:
     # The responses the schedule was cut from (to cut them again another way).
     period: list[Response] = field(default_factory=list)
     # Per batch: its buffer and the engine's views of it (the data, the ranks' codes, each
-    # tensor's piece), reused every period; see hora.common.engine.replay._BatchBuffer.
+    # tensor's piece), reused every period; see hora.common.engine.steady.staging.
     batch_buffers: list[Any] = field(default_factory=list)
     # The communicator each batch runs on (its buffers live on that communicator's device).
     comms: list[Any] = field(default_factory=list)
@@ -131,6 +121,19 @@ class Schedule:
 
     def advance(self) -> None:
         self.position = (self.position + 1) % len(self.batches)
+
+    def started(self) -> None:
+        """The current batch's buffer is the transport's now; go on to the next batch. (Under
+        the engine's lock: submitting threads read ``in_flight``.)"""
+        self.in_flight.add(self.position)
+        self.advance()
+
+    def landed(self, number: int, lent: bool = False) -> None:
+        """Batch ``number``'s buffer is back from the transport, its results lent out where
+        ``lent``. (Under the engine's lock, as :meth:`started`.)"""
+        if lent:
+            self.lent.add(number)
+        self.in_flight.discard(number)
 
     def expects(self, request: Request) -> bool:
         """Whether ``request`` is one the schedule runs (same name and request).
