@@ -1,13 +1,14 @@
 """Every ``horarun`` flag, declared once.
 
-One :class:`Option` per flag holds all its facts: its names, the namespace attribute it sets,
-its help, its key in the YAML config file, its range, the ``HORA_*`` variable it sets for the
-workers (a :class:`~hora.common.settings_table.Variable`, which brings that variable's name,
-``HOROVOD_*`` twin, default and range), and whether it has no effect in hora, is refused, or
-only means something in an elastic job. :mod:`hora.runner.options` builds the parser, reads the
-config file, validates the values and computes the workers' environment from this table;
-``python -m hora.tools.docs_tables`` writes the flag tables of docs/launching.md and
-docs/elastic.md from it.
+One :class:`Option` per flag holds all its facts: its names, its ``dest`` (what its value is
+called while parsing, and what names it in a field of the typed options), its help, its key in
+the YAML config file, its range, the ``HORA_*`` variable it sets for the workers (a
+:class:`~hora.common.settings_table.Variable`, which brings that variable's name, ``HOROVOD_*``
+twin, default and range), and whether it has no effect in hora, is refused, or only means
+something in an elastic job. :mod:`hora.runner.options` builds the parser, reads the config
+file, validates the values, computes the workers' environment and fills the typed options
+(:class:`~hora.runner.options.LaunchOptions`) from this table; ``python -m
+hora.tools.docs_tables`` writes the flag tables of docs/launching.md and docs/elastic.md from it.
 
 Pure data: no argparse here, and no torch.
 """
@@ -105,7 +106,8 @@ class Option:
 
     Attributes:
         flags: its names; the first one names it in messages.
-        dest: the attribute of the parsed namespace (``None`` when not given).
+        dest: the name of its value while parsing (``None`` when not given), and what a field
+            of the options that holds it names (:func:`hora.runner.options.flag`).
         group: the :class:`Group` it belongs to, by name.
         shape: how it takes its value.
         help: what it does, for ``--help`` (the variable it sets is appended).

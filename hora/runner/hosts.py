@@ -11,6 +11,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from hora.common import settings_table as table
+
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -38,19 +40,18 @@ class Slot:
 
     def env(self) -> dict[str, str]:
         """The topology variables a worker reads, under hora's and Horovod's names."""
-        values = {
-            "RANK": self.rank,
-            "SIZE": self.size,
-            "LOCAL_RANK": self.local_rank,
-            "LOCAL_SIZE": self.local_size,
-            "CROSS_RANK": self.cross_rank,
-            "CROSS_SIZE": self.cross_size,
-            "HOSTNAME": self.hostname,
-        }
+        values = (
+            (table.RANK, self.rank),
+            (table.SIZE, self.size),
+            (table.LOCAL_RANK, self.local_rank),
+            (table.LOCAL_SIZE, self.local_size),
+            (table.CROSS_RANK, self.cross_rank),
+            (table.CROSS_SIZE, self.cross_size),
+            (table.HOSTNAME, self.hostname),
+        )
         env: dict[str, str] = {}
-        for key, value in values.items():
-            env[f"HORA_{key}"] = str(value)
-            env[f"HOROVOD_{key}"] = str(value)
+        for variable, value in values:
+            env.update(dict.fromkeys(variable.environ_names, str(value)))
         return env
 
 

@@ -12,22 +12,23 @@ Importing this module never imports PyTorch.
 
 from __future__ import annotations
 
-import argparse
+import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
 
+from hora.common import settings_table as table
 from hora.runner import options
 from hora.runner.hosts import Slot
+from hora.runner.options import HostOptions, LaunchOptions, OutputOptions
 from hora.runner.remote import (
     SshSettings,
     check_hosts,
     interface_address,
     rendezvous_address,
     require_ssh,
-    ssh_settings,
 )
 from hora.runner.store_server import RendezvousServer
 from hora.runner.supervisor import (
@@ -40,14 +41,19 @@ from hora.runner.supervisor import (
 # Topology variables no worker inherits from the launcher: each gets its own (a static worker
 # from its slot, an elastic one from the round it joins).
 TOPOLOGY_VARS = frozenset(
-    f"{prefix}{name}"
-    for prefix in ("HORA_", "HOROVOD_")
-    for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+    name
+    for variable in (
+        table.RANK,
+        table.SIZE,
+        table.LOCAL_RANK,
+        table.LOCAL_SIZE,
+        table.CROSS_RANK,
+        table.CROSS_SIZE,
+    )
+    for name in variable.environ_names
 )
 
-
-def _quiet(message: str) -> None:
-    del message
+logger = logging.getLogger("hora.runner")
 
 
 @dataclass(frozen=True)
@@ -57,20 +63,26 @@ class Network:
     Attributes:
         bind_address: where the job's store listens.
         ssh: how remote hosts are reached.
-        env: the network-interface variables every worker gets (from ``--network-interface``);
-            without them each worker's watchdog picks the interface that reaches the store.
+        interfaces: ``--network-interface``: the first one for Gloo and the store, all of them
+            for NCCL; none: each worker's watchdog picks the interface that reaches the store.
     """
 
     bind_address: str = "127.0.0.1"
     ssh: SshSettings = field(default_factory=SshSettings)
-    env: dict[str, str] = field(default_factory=dict)
+    interfaces: tuple[str, ...] = ()
+
+    def env(self) -> dict[str, str]:
+        """The network-interface variables every worker gets."""
+        if not self.interfaces:
+            return {}
+        return {
+            table.GLOO_IFACE.env: self.interfaces[0],
+            "NCCL_SOCKET_IFNAME": ",".join(self.interfaces),
+        }
 
 
 def reach_hosts(
-    args: argparse.Namespace,
-    remote_hosts: Sequence[str],
-    say: Callable[[str], None],
-    hosts_may_join: bool = False,
+    hosts: HostOptions, remote_hosts: Sequence[str], hosts_may_join: bool = False
 ) -> Network:
     """Check that the remote hosts can be reached, and pick the store's address.
 
@@ -82,22 +94,19 @@ def reach_hosts(
     Raises:
         HostError: the hosts cannot be used or reached; nothing has been started.
     """
-    ssh = ssh_settings(args)
+    ssh = hosts.ssh
     if remote_hosts:
         if hosts_may_join:
             require_ssh()
         else:
-            say(f"checking SSH to {', '.join(remote_hosts)}")
+            logger.debug("checking SSH to %s", ", ".join(remote_hosts))
             check_hosts(remote_hosts, ssh)
-    interfaces = list(args.interfaces or [])
+    interfaces = hosts.interfaces
     if interfaces and hosts_may_join:
         bind_address = interface_address(interfaces[0])
     else:
         bind_address = rendezvous_address(remote_hosts, ssh, interfaces)
-    env: dict[str, str] = {}
-    if interfaces:
-        env = {"HORA_GLOO_IFACE": interfaces[0], "NCCL_SOCKET_IFNAME": ",".join(interfaces)}
-    return Network(bind_address, ssh, env)
+    return Network(bind_address, ssh, interfaces)
 
 
 class Job:
@@ -144,7 +153,6 @@ class Job:
         forwarder: OutputForwarder | None = None,
         record_exits: bool = True,
         handle_signals: bool = False,
-        say: Callable[[str], None] = _quiet,
         launcher_timeout_s: float | None = None,
     ) -> Job:
         """Start the job's store (with a fresh secret) and make its supervisor.
@@ -158,13 +166,12 @@ class Job:
             record_exits: the supervisor records a failed worker's end in the store (the
                 elastic driver records it in the round's space itself).
             handle_signals: Ctrl-C or TERM stops every worker before the process exits.
-            say: logs a line under ``--verbose``.
             launcher_timeout_s: how long a watchdog waits for this launcher's heartbeat before
                 it stops its worker (default ``HORA_LAUNCHER_TIMEOUT_SECONDS``).
         """
         network = network or Network()
         server = RendezvousServer(network.bind_address)
-        say(f"rendezvous store listening on {server.address}:{server.port}")
+        logger.debug("rendezvous store listening on %s:%s", server.address, server.port)
         supervisor = Supervisor(
             on_exit=server.record_exit if record_exits else None,
             forwarder=forwarder,
@@ -173,7 +180,7 @@ class Job:
         if handle_signals:
             install_signal_handlers(supervisor)
         return cls(
-            command, server, supervisor, {**(env or {}), **network.env}, network.ssh, base_env
+            command, server, supervisor, {**(env or {}), **network.env()}, network.ssh, base_env
         )
 
     def spawn(self, slot: Slot, env: Mapping[str, str], remote: bool = False) -> Worker:
@@ -206,12 +213,10 @@ class Job:
         self.close()
 
 
-def forwarder_from_flags(args: argparse.Namespace) -> OutputForwarder:
+def forwarder_for(output: OutputOptions) -> OutputForwarder:
     """Output forwarding as ``horarun``'s flags ask for it."""
     return OutputForwarder(
-        prefix=not args.disable_output_prefix,
-        timestamp=bool(args.prefix_output_with_timestamp),
-        log_dir=args.output_filename,
+        prefix=not output.disable_prefix, timestamp=output.timestamp, log_dir=output.directory
     )
 
 
@@ -240,20 +245,19 @@ class Plan(Protocol):
         """Variables every worker of this driver gets, besides the flags'."""
         ...
 
-    def run(self, job: Job, say: Callable[[str], None]) -> Outcome:
+    def run(self, job: Job) -> Outcome:
         """Start the workers, drive them to the end, and say how the job ended."""
         ...
 
 
-def open_job(args: argparse.Namespace, plan: Plan, say: Callable[[str], None]) -> Job:
-    """The job ``horarun``'s flags describe, for ``plan``'s driver."""
+def open_job(launch: LaunchOptions, plan: Plan) -> Job:
+    """The job ``horarun``'s options describe, for ``plan``'s driver."""
     return Job.open(
-        list(args.command),
+        launch.command,
         plan.network,
-        env={**options.engine_env(args), **plan.job_env()},
-        forwarder=forwarder_from_flags(args),
+        env={**launch.engine_env, **plan.job_env()},
+        forwarder=forwarder_for(launch.output),
         record_exits=plan.record_exits,
         handle_signals=True,
-        say=say,
-        launcher_timeout_s=getattr(args, "launcher_timeout_s", None),
+        launcher_timeout_s=launch.launcher_timeout_s,
     )

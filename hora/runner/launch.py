@@ -18,57 +18,71 @@ with the driver; report. Importing this module never imports PyTorch.
 
 from __future__ import annotations
 
-import argparse
+import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from hora.runner import options
 from hora.runner.elastic import DiscoveryError, plan_elastic
 from hora.runner.hosts import HostError
 from hora.runner.job import Plan, open_job
+from hora.runner.options import LaunchOptions, Query
 from hora.runner.static import plan_job
 
+# Every module of the runner logs to this logger; only horarun's main gives it a handler.
+logger = logging.getLogger("hora.runner")
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
-    """The flags of a job to run, or the exit status when there is none (bad flags, --version,
+_HANDLER_NAME = "horarun"
+
+
+def configure_logging(verbose: bool) -> None:
+    """Print the ``hora.runner`` logger's lines to stderr as ``horarun: <message>``: warnings and
+    notices always, what horarun does (debug lines) under ``--verbose``.
+
+    Configures that logger alone, and again on a second call rather than twice.
+    """
+    for handler in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(logging.Formatter("horarun: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    # Not also through "hora" (a worker's hvd.init() gives that one a handler) or the root.
+    logger.propagate = False
+
+
+def _parse(argv: Sequence[str] | None) -> LaunchOptions | int:
+    """The options of a job to run, or the exit status when there is none (bad flags, --version,
     --check-build)."""
     try:
-        args = options.parse(argv)
+        parsed = options.parse(argv)
+    except options.Refused as refused:
+        for reason in refused.reasons:
+            print(f"horarun: {reason}", file=sys.stderr)
+        return 2
     except options.OptionError as exc:
         print(f"horarun: {exc}", file=sys.stderr)
         return 2
-    if args.version:
+    if parsed is Query.VERSION:
         from hora import __version__
 
         print(f"hora {__version__}")
         return 0
-    if args.check_build:
-        from hora.tools.doctor import check_build_text
+    if parsed is Query.CHECK_BUILD:
+        from hora.common.build_info import check_build_text
 
         print(check_build_text())
         return 0
-    refused = options.refusals(args)
-    if refused:
-        for reason in refused:
-            print(f"horarun: {reason}", file=sys.stderr)
-        return 2
-    if not args.command:
-        options.build_parser().error("no command given; usage: horarun -np N python train.py")
-    if args.np is None:
-        options.build_parser().error(
-            "-np (or --min-np) is required (the number of worker processes to start with)"
-            if options.is_elastic(args)
-            else "-np is required (the number of worker processes)"
-        )
-    return args
+    return parsed
 
 
-def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> Plan | int:
+def _plan(launch: LaunchOptions) -> Plan | int:
     """Where the job runs, planned by its driver; or the exit status when it cannot start."""
     try:
-        if options.is_elastic(args):
-            return plan_elastic(args, say)
-        return plan_job(args, say)
+        if launch.elastic is not None:
+            return plan_elastic(launch.np, launch.hosts, launch.elastic)
+        return plan_job(launch.np, launch.hosts)
     except HostError as exc:
         print(f"horarun: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -83,27 +97,21 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> Plan | int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``horarun`` command."""
-    args = _parse(argv)
-    if isinstance(args, int):
-        return args
-
-    verbose = bool(args.verbose)
-
-    def say(message: str) -> None:
-        if verbose:
-            print(f"horarun: {message}", file=sys.stderr, flush=True)
-
-    for note in options.notes(args):
-        say(note)
-    if args.mpi:
+    launch = _parse(argv)
+    if isinstance(launch, int):
+        return launch
+    configure_logging(launch.output.verbose)
+    for note in launch.notes:
+        logger.debug(note)
+    if launch.mpi.enabled:
         from hora.runner import mpi_launch
 
-        return mpi_launch.run(args, say)
-    plan = _plan(args, say)
+        return mpi_launch.run(launch)
+    plan = _plan(launch)
     if isinstance(plan, int):
         return plan
-    with open_job(args, plan, say) as job:
-        outcome = plan.run(job, say)
+    with open_job(launch, plan) as job:
+        outcome = plan.run(job)
         if outcome.message:
             print(f"horarun: {outcome.message}", file=sys.stderr, flush=True)
     return outcome.status

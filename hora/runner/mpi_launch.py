@@ -10,17 +10,21 @@ MPI's launcher's business. Importing this module never imports PyTorch.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
+import logging
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hora.common import settings_table as table
 from hora.runner import options
+from hora.runner.options import HostOptions, LaunchOptions
+
+logger = logging.getLogger("hora.runner")
 
 
 class MPILaunchError(RuntimeError):
@@ -79,65 +83,71 @@ def find_mpirun(env: Mapping[str, str] | None = None) -> Mpirun:
     )
 
 
-def _hosts_arguments(args: argparse.Namespace, flavour: str) -> list[str]:
-    if args.hostfile:
-        return ["--hostfile" if flavour == "openmpi" else "-f", args.hostfile]
-    hosts = args.hosts or f"localhost:{args.np}"
+def _hosts_arguments(np: int, hosts: HostOptions, flavour: str) -> list[str]:
+    if hosts.hostfile:
+        return ["--hostfile" if flavour == "openmpi" else "-f", hosts.hostfile]
+    listed = hosts.host_list or f"localhost:{np}"
     # Open MPI counts the slots named here (no --oversubscribe needed for localhost:N).
-    return ["-H" if flavour == "openmpi" else "-hosts", hosts]
+    return ["-H" if flavour == "openmpi" else "-hosts", listed]
 
 
-def _openmpi_arguments(args: argparse.Namespace) -> list[str]:
-    command = shlex.split(args.binding_args) if args.binding_args else ["--bind-to", "none"]
+def _openmpi_arguments(launch: LaunchOptions) -> list[str]:
+    binding = launch.mpi.binding_args
+    command = shlex.split(binding) if binding else ["--bind-to", "none"]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
-    if not args.disable_output_prefix:
+    if not launch.output.disable_prefix:
         command.append("--tag-output")
-    if args.output_filename:
-        command += ["--output-filename", os.path.abspath(args.output_filename)]
+    if launch.output.directory:
+        command += ["--output-filename", os.path.abspath(launch.output.directory)]
     ssh = []
-    if args.ssh_port:
-        ssh += ["-p", str(args.ssh_port)]
-    if args.ssh_identity_file:
-        ssh += ["-i", args.ssh_identity_file]
+    if launch.hosts.ssh.port:
+        ssh += ["-p", str(launch.hosts.ssh.port)]
+    if launch.hosts.ssh.identity_file:
+        ssh += ["-i", launch.hosts.ssh.identity_file]
     if ssh:
         command += ["--mca", "plm_rsh_args", " ".join(ssh)]
     return command
 
 
 def mpirun_command(
-    args: argparse.Namespace, mpirun: Mpirun, variables: Mapping[str, str]
+    launch: LaunchOptions, mpirun: Mpirun, variables: Mapping[str, str]
 ) -> list[str]:
-    """The ``mpirun`` command line that starts ``args.command`` on ``args.np`` processes, each
-    with ``variables`` in its environment."""
-    command = [mpirun.path, "-np", str(args.np), *_hosts_arguments(args, mpirun.flavour)]
+    """The ``mpirun`` command line that starts ``launch.command`` on ``launch.np`` processes,
+    each with ``variables`` in its environment."""
+    command = [
+        mpirun.path,
+        "-np",
+        str(launch.np),
+        *_hosts_arguments(launch.np, launch.hosts, mpirun.flavour),
+    ]
     if mpirun.flavour == "openmpi":
-        command += _openmpi_arguments(args)
+        command += _openmpi_arguments(launch)
         for name, value in variables.items():
             command += ["-x", f"{name}={value}"]
     else:
-        if args.binding_args:
-            command += shlex.split(args.binding_args)
-        if not args.disable_output_prefix:
+        if launch.mpi.binding_args:
+            command += shlex.split(launch.mpi.binding_args)
+        if not launch.output.disable_prefix:
             command.append("-prepend-rank")
         for name, value in variables.items():
             command += ["-genv", name, value]
-    if args.mpi_args:
-        command += shlex.split(args.mpi_args)
-    return [*command, *args.command]
+    if launch.mpi.args:
+        command += shlex.split(launch.mpi.args)
+    return [*command, *launch.command]
 
 
-def worker_variables(args: argparse.Namespace) -> dict[str, str]:
+def worker_variables(launch: LaunchOptions) -> dict[str, str]:
     """What every worker gets besides the environment mpirun passes on by itself."""
-    variables = options.engine_env(args)
-    variables["HORA_CPU_OPERATIONS"] = "mpi"
+    variables = dict(launch.engine_env)
+    variables[table.CPU_OPERATIONS.env] = "mpi"
     variables["PYTHONUNBUFFERED"] = "1"
     return variables
 
 
-def run(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+def run(launch: LaunchOptions) -> int:
     """Start the job with ``mpirun``; its exit status (2 when it cannot be started)."""
-    if options.is_elastic(args):
+    if launch.elastic is not None:
         print(
             "horarun: --mpi cannot run an elastic job (MPI cannot add or remove processes of a "
             "running job); drop --mpi, or --min-np/--max-np/--host-discovery-script.",
@@ -147,8 +157,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         return 2
     if importlib.util.find_spec("mpi4py") is None:
         print(
-            "horarun: --mpi needs mpi4py in the workers' Python (pip install mpi4py, built for "
-            "the MPI whose mpirun starts the job).",
+            "horarun: --mpi needs mpi4py in the workers' Python (pip install 'hora[mpi]', or "
+            "pip install mpi4py built for the MPI whose mpirun starts the job).",
             file=sys.stderr,
             flush=True,
         )
@@ -158,8 +168,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     except MPILaunchError as exc:
         print(f"horarun: {exc}", file=sys.stderr, flush=True)
         return 2
-    command = mpirun_command(args, mpirun, worker_variables(args))
-    say(f"starting the job with {mpirun.flavour}'s launcher: {' '.join(command)}")
+    command = mpirun_command(launch, mpirun, worker_variables(launch))
+    logger.debug("starting the job with %s's launcher: %s", mpirun.flavour, " ".join(command))
     try:
         return subprocess.run(command, env=options.worker_env(dict(os.environ), {})).returncode
     except KeyboardInterrupt:

@@ -1,13 +1,17 @@
-"""``horarun``'s command line and config file: horovodrun's flags, read into one namespace.
+"""``horarun``'s command line and config file, read once into a typed :class:`LaunchOptions`.
 
 The flags themselves are declared in :mod:`hora.runner.flags`, one :class:`~hora.runner.flags.Option`
 each; this module turns that table into the parser (:func:`build_parser`), the config-file reader
 (:func:`read_config_file`), the range checks, the ``HORA_*`` variables the honoured flags set for
 workers (:func:`engine_env`), the notes on flags that have no effect in hora (:func:`notes`, one
 line each, for ``--verbose``) and the refusals of flags asking for what hora cannot do
-(:func:`refusals`). ``--min-np``, ``--max-np`` or ``--host-discovery-script`` make the job
-elastic (:func:`is_elastic`; the driver is :mod:`hora.runner.elastic`). It does not start
-anything.
+(:func:`refusals`). :func:`parse` checks the values and builds the frozen options the rest of the
+runner reads: the job's command and size, its hosts (:class:`HostOptions`), its output
+(:class:`OutputOptions`), the elastic flags (:class:`ElasticOptions`; ``--min-np``, ``--max-np`` or
+``--host-discovery-script`` make the job elastic, and the driver is :mod:`hora.runner.elastic`),
+``--mpi``'s (:class:`MpiOptions`) and the engine's variables to export. A field that holds one
+flag's value names that flag (:func:`flag`) and is filled from the table; only what is worked out
+from several flags or the environment is built by hand. It does not start anything.
 """
 
 from __future__ import annotations
@@ -15,36 +19,208 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hora.common import config, safe_files
 from hora.common.settings_table import (
+    ELASTIC_TIMEOUT,
     HOST_DISCOVERY_TIMEOUT,
     LAUNCHER_TIMEOUT_SECONDS,
     LOG_LEVELS,
     Variable,
 )
 from hora.runner.flags import BY_DEST, GROUPS, OPTIONS, Option
+from hora.runner.remote import CONNECT_TIMEOUT_S, SshSettings
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "CONFIG_KEYS",
     "LOG_LEVELS",
+    "ElasticOptions",
+    "HostOptions",
+    "LaunchOptions",
+    "MpiOptions",
     "OptionError",
+    "OutputOptions",
+    "Query",
+    "Refused",
+    "Values",
     "build_parser",
     "engine_env",
     "env_seconds",
-    "is_elastic",
+    "flag",
+    "flag_of",
     "notes",
     "parse",
+    "read",
     "read_config_file",
     "refusals",
     "worker_env",
 ]
 
+# The flags' values as given on the command line or in the config file, by ``Option.dest``;
+# ``None`` where neither gives one. Only this module reads it: it builds :class:`LaunchOptions`.
+Values = Mapping[str, Any]
+
+_FLAG = "flag"
+
+
+def flag(dest: str, default: Any = None) -> Any:
+    """A field of the options that holds the value of the flag ``dest`` (``default`` when neither
+    the command line nor the config file gives one); :func:`parse` fills it from the table.
+
+    Raises:
+        ValueError: no flag of :data:`hora.runner.flags.OPTIONS` has that ``dest``.
+    """
+    if dest not in BY_DEST:
+        raise ValueError(f"no flag of hora.runner.flags sets {dest!r}")
+    return field(default=default, metadata={_FLAG: dest})
+
+
+def flag_of(item: Field[Any]) -> str | None:
+    """The ``dest`` of the flag a field of the options holds (``None``: it is worked out)."""
+    dest = item.metadata.get(_FLAG)
+    return None if dest is None else str(dest)
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """Where the job runs and how horarun reaches its hosts.
+
+    Attributes:
+        host_list: ``-H``'s ``host:slots,...``.
+        hostfile: ``--hostfile``.
+        discovery_script: ``--host-discovery-script`` (an elastic job's hosts).
+        slots_per_host: ``--slots-per-host``: the slots of a host the script prints without ``:N``.
+        interfaces: ``--network-interface`` and ``--network-interfaces``, in order, each once.
+        ssh: how other hosts are reached (``-p``, ``-i``, ``--ssh-option``; ssh's connect timeout
+            capped by ``--start-timeout``).
+        discovery_timeout_s: how long one run of the discovery script may take
+            (``HORA_HOST_DISCOVERY_TIMEOUT``).
+    """
+
+    host_list: str | None = flag("hosts")
+    hostfile: str | None = flag("hostfile")
+    discovery_script: str | None = flag("host_discovery_script")
+    slots_per_host: int = flag("slots", 1)
+    interfaces: tuple[str, ...] = ()
+    ssh: SshSettings = SshSettings()
+    discovery_timeout_s: float = HOST_DISCOVERY_TIMEOUT.default
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the workers' output is forwarded, and what horarun says.
+
+    Attributes:
+        directory: ``--output-filename``: also write each rank's output under it.
+        disable_prefix: ``--disable-output-prefix``: forward lines without ``[rank]<stream>:``.
+        timestamp: ``--prefix-output-with-timestamp``: start each forwarded line with the time.
+        verbose: ``--verbose``: horarun says what it does.
+    """
+
+    directory: str | None = flag("output_filename")
+    disable_prefix: bool = flag("disable_output_prefix", False)
+    timestamp: bool = flag("prefix_output_with_timestamp", False)
+    verbose: bool = flag("verbose", False)
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """An elastic job's flags, with their defaults applied.
+
+    Attributes:
+        min_np: ``--min-np`` (default ``-np``).
+        timeout_s: ``--elastic-timeout``, else ``HORA_ELASTIC_TIMEOUT``.
+        max_np: ``--max-np`` (``None``: every slot available).
+        reset_limit: ``--reset-limit`` (``None``: no limit).
+        cooldown_s: ``--blacklist-cooldown-range`` (``None``: a failed host is out for good).
+    """
+
+    min_np: int
+    timeout_s: float
+    max_np: int | None = flag("max_np")
+    reset_limit: int | None = flag("reset_limit")
+    cooldown_s: tuple[float, float] | None = flag("blacklist_cooldown_range")
+
+
+@dataclass(frozen=True)
+class MpiOptions:
+    """``--mpi`` and what ``mpirun`` gets with it.
+
+    Attributes:
+        enabled: ``--mpi`` (or ``controller: mpi``): start the job with ``mpirun``.
+        args: ``--mpi-args``: more arguments for ``mpirun``, as one string.
+        binding_args: ``--binding-args``: ``mpirun``'s binding arguments.
+    """
+
+    enabled: bool = flag("mpi", False)
+    args: str | None = flag("mpi_args")
+    binding_args: str | None = flag("binding_args")
+
+
+def _no_variables() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything ``horarun``'s flags, config file and environment ask of a job, checked.
+
+    Built once by :func:`parse`; nothing changes it afterwards.
+
+    Attributes:
+        command: what every worker runs.
+        np: the number of workers (to start with, in an elastic job).
+        hosts: where the job runs and how its hosts are reached.
+        output: how output is forwarded, and ``--verbose``.
+        elastic: the elastic flags; ``None`` when the job is not elastic.
+        mpi: ``--mpi`` and its arguments.
+        engine_env: the ``HORA_*`` variables (and ``NCCL_IB_DISABLE``) the flags set for every
+            worker.
+        launcher_timeout_s: ``HORA_LAUNCHER_TIMEOUT_SECONDS``: how long a worker's watchdog waits
+            for horarun's heartbeat.
+        notes: one line per accepted flag that has no effect here (said under ``--verbose``).
+    """
+
+    command: tuple[str, ...]
+    np: int
+    hosts: HostOptions = HostOptions()
+    output: OutputOptions = OutputOptions()
+    elastic: ElasticOptions | None = None
+    mpi: MpiOptions = MpiOptions()
+    engine_env: Mapping[str, str] = field(default_factory=_no_variables)
+    launcher_timeout_s: float = LAUNCHER_TIMEOUT_SECONDS.default
+    notes: tuple[str, ...] = ()
+
+
+class Query(Enum):
+    """What ``horarun`` is asked instead of a job; the value is the flag's ``dest``."""
+
+    VERSION = "version"
+    CHECK_BUILD = "check_build"
+
 
 class OptionError(ValueError):
     """A flag or config-file value that horarun cannot use."""
+
+
+class Refused(OptionError):
+    """Flags asking for what hora cannot do (``--jsrun``).
+
+    Attributes:
+        reasons: why, one line per flag.
+    """
+
+    def __init__(self, reasons: Sequence[str]) -> None:
+        super().__init__("\n".join(reasons))
+        self.reasons = tuple(reasons)
 
 
 _TYPES: dict[str, Any] = {"int": int, "float": float, "text": None, "append": None, "pair": float}
@@ -201,10 +377,10 @@ def read_config_file(path: str) -> dict[str, Any]:
     return values
 
 
-def _check_bounds(args: argparse.Namespace) -> None:
-    """Every number within its declared range (a pair is checked by :func:`_validate_elastic`)."""
+def _check_bounds(values: Values) -> None:
+    """Every number within its declared range (a pair is checked by :func:`_check_elastic`)."""
     for option in OPTIONS:
-        value = getattr(args, option.dest)
+        value = values[option.dest]
         limits = option.limits
         if value is None or limits is None or option.shape == "pair":
             continue
@@ -212,15 +388,15 @@ def _check_bounds(args: argparse.Namespace) -> None:
             raise OptionError(option.bounds_error(value))
 
 
-def _validate(args: argparse.Namespace) -> None:
-    _check_bounds(args)
-    if args.output_filename:
-        _check_output_directory(args.output_filename)
-    for option in args.ssh_option or []:
+def _check(values: Values) -> None:
+    _check_bounds(values)
+    if values["output_filename"]:
+        _check_output_directory(values["output_filename"])
+    for option in values["ssh_option"] or []:
         if "=" not in option or option.startswith("-"):
             raise OptionError(f"--ssh-option {option!r} must look like Key=Value.")
-    if is_elastic(args):
-        _validate_elastic(args)
+    if _is_elastic(values):
+        _check_elastic(values)
 
 
 _ELASTIC_TRIGGERS = tuple(option for option in OPTIONS if option.makes_elastic)
@@ -228,33 +404,33 @@ _TRIGGER_FLAGS = ", ".join(option.flag for option in _ELASTIC_TRIGGERS[:-1])
 _TRIGGER_TEXT = f"{_TRIGGER_FLAGS} or {_ELASTIC_TRIGGERS[-1].flag}"
 
 
-def is_elastic(args: argparse.Namespace) -> bool:
+def _is_elastic(values: Values) -> bool:
     """Whether the flags ask for an elastic job (``--min-np``, ``--max-np`` or
     ``--host-discovery-script``)."""
-    return any(getattr(args, option.dest) is not None for option in _ELASTIC_TRIGGERS)
+    return any(values[option.dest] is not None for option in _ELASTIC_TRIGGERS)
 
 
-def _validate_elastic(args: argparse.Namespace) -> None:
-    """Check the elastic flags together and fill the defaults: ``-np`` from ``--min-np`` and the
-    reverse."""
-    if args.np is None:
-        args.np = args.min_np
-    if args.min_np is None:
-        args.min_np = args.np
-    if args.np is not None:
-        if args.np < args.min_np:
+def _check_elastic(values: Values) -> None:
+    """Check the elastic flags together, ``-np`` defaulting to ``--min-np`` and the reverse."""
+    np, min_np, max_np = values["np"], values["min_np"], values["max_np"]
+    if np is None:
+        np = min_np
+    if min_np is None:
+        min_np = np
+    if np is not None:
+        if np < min_np:
             raise OptionError(
-                f"-np {args.np} is less than --min-np {args.min_np}: the job starts with -np "
-                "workers, at least --min-np."
+                f"-np {np} is less than --min-np {min_np}: the job starts with -np workers, at "
+                "least --min-np."
             )
-        if args.max_np is not None and args.np > args.max_np:
-            raise OptionError(f"-np {args.np} is more than --max-np {args.max_np}.")
-    if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:
-        raise OptionError(f"--min-np {args.min_np} is more than --max-np {args.max_np}.")
-    if args.blacklist_cooldown_range is not None:
-        _check_cooldown(*args.blacklist_cooldown_range)
-    if args.host_discovery_script is not None:
-        _check_script(args.host_discovery_script)
+        if max_np is not None and np > max_np:
+            raise OptionError(f"-np {np} is more than --max-np {max_np}.")
+    if min_np is not None and max_np is not None and min_np > max_np:
+        raise OptionError(f"--min-np {min_np} is more than --max-np {max_np}.")
+    if values["blacklist_cooldown_range"] is not None:
+        _check_cooldown(*values["blacklist_cooldown_range"])
+    if values["host_discovery_script"] is not None:
+        _check_script(values["host_discovery_script"])
 
 
 def _check_output_directory(directory: str) -> None:
@@ -287,50 +463,167 @@ def _check_cooldown(low: float, high: float) -> None:
         )
 
 
-def _given_on_command_line(args: argparse.Namespace) -> set[str]:
+def _given_on_command_line(values: Values) -> set[str]:
     """The exclusive groups (by name) of which the command line gave a flag."""
     exclusive = {group.name for group in GROUPS if group.exclusive}
     return {
         option.group
         for option in OPTIONS
-        if option.group in exclusive and getattr(args, option.dest) is not None
+        if option.group in exclusive and values[option.dest] is not None
     }
 
 
-def _apply_config_file(args: argparse.Namespace) -> None:
+def _apply_config_file(values: dict[str, Any]) -> None:
     """Fill what the command line left unset from ``--config-file``. A flag of an exclusive group
     (``--gloo``) given on the command line also keeps the file from setting its rivals."""
-    taken = _given_on_command_line(args)
-    for dest, value in read_config_file(args.config_file).items():
+    taken = _given_on_command_line(values)
+    for dest, value in read_config_file(values["config_file"]).items():
         if BY_DEST[dest].group in taken:
             continue
-        if getattr(args, dest) is None:
-            setattr(args, dest, value)
+        if values[dest] is None:
+            values[dest] = value
 
 
-def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Read the command line, then the config file for what it left unset.
+def read(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """What the command line gives, and the config file for what it left unset, unchecked.
+
+    Returns:
+        Every flag's value by ``dest`` (``None`` where neither gives one), and the command.
 
     Raises:
         SystemExit: argparse's usage error (status 2).
+        OptionError: the config file is unusable.
+    """
+    values = vars((parser or build_parser()).parse_args(argv))
+    command = list(values.pop("command"))
+    if values["config_file"]:
+        _apply_config_file(values)
+    if command and command[0] == "--":
+        command = command[1:]
+    return values, command
+
+
+_DataclassT = TypeVar("_DataclassT", bound="DataclassInstance")
+
+
+def _build(kind: type[_DataclassT], values: Values, **worked_out: Any) -> _DataclassT:
+    """A ``kind`` whose :func:`flag` fields hold the flags' values (a list as a tuple; a flag
+    not given leaves the field's default), the others ``worked_out``."""
+    given: dict[str, Any] = {}
+    for item in fields(kind):
+        dest = flag_of(item)
+        if dest is not None and values[dest] is not None:
+            value = values[dest]
+            given[item.name] = tuple(value) if isinstance(value, list) else value
+    return kind(**given, **worked_out)
+
+
+def _interfaces(values: Values) -> tuple[str, ...]:
+    """``--network-interface`` (repeatable) and ``--network-interfaces`` (comma-separated), in
+    order, each once."""
+    interfaces = list(values["network_interface"] or [])
+    if values["network_interfaces"]:
+        interfaces += [i.strip() for i in values["network_interfaces"].split(",") if i.strip()]
+    return tuple(dict.fromkeys(interfaces))
+
+
+def _ssh(values: Values) -> SshSettings:
+    """How the job's hosts are reached: the SSH flags, and a connect timeout capped by
+    ``--start-timeout``."""
+    start_timeout = values["start_timeout"]
+    if start_timeout is None:
+        start_timeout = CONNECT_TIMEOUT_S
+    return SshSettings(
+        port=values["ssh_port"],
+        identity_file=values["ssh_identity_file"],
+        options=tuple(values["ssh_option"] or ()),
+        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
+    )
+
+
+def _elastic_timeout_s(values: Values) -> float:
+    """``--elastic-timeout``, else ``HORA_ELASTIC_TIMEOUT`` (or its Horovod twin)."""
+    if values["elastic_timeout"] is not None:
+        return float(values["elastic_timeout"])
+    try:
+        return float(config.read(ELASTIC_TIMEOUT))
+    except ValueError:
+        # The workers refuse the value, naming it; the driver keeps the default.
+        return float(ELASTIC_TIMEOUT.default)
+
+
+def _elastic(values: Values, np: int) -> ElasticOptions | None:
+    """The elastic flags with their defaults; ``None`` when the job is not elastic."""
+    if not _is_elastic(values):
+        return None
+    min_np = values["min_np"] if values["min_np"] is not None else np
+    return _build(ElasticOptions, values, min_np=min_np, timeout_s=_elastic_timeout_s(values))
+
+
+def _job_size(parser: argparse.ArgumentParser, values: Values, command: list[str]) -> int:
+    """The number of workers to start, once nothing refused is asked for; a usage error
+    (status 2) without it or without a command.
+
+    Raises:
+        Refused: a flag asks for what hora cannot do.
+    """
+    reasons = refusals(values)
+    if reasons:
+        raise Refused(reasons)
+    if not command:
+        parser.error("no command given; usage: horarun -np N python train.py")
+    np: int | None = values["np"] if values["np"] is not None else values["min_np"]
+    if np is None:
+        parser.error(
+            "-np (or --min-np) is required (the number of worker processes to start with)"
+            if _is_elastic(values)
+            else "-np is required (the number of worker processes)"
+        )
+    return np
+
+
+def parse(argv: Sequence[str] | None = None) -> LaunchOptions | Query:
+    """Read the command line, then the config file for what it left unset; check the values and
+    build the job's options.
+
+    Returns:
+        The job's options, or the :class:`Query` (``--version``, ``--check-build``) to answer
+        instead.
+
+    Raises:
+        SystemExit: argparse's usage error (status 2), also when the command or ``-np`` is
+            missing.
+        Refused: a flag asks for what hora cannot do.
         OptionError: a value is out of range or the config file is unusable.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.config_file:
-        _apply_config_file(args)
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    args.command = command
-    interfaces = list(args.network_interface or [])
-    if args.network_interfaces:
-        interfaces += [i.strip() for i in args.network_interfaces.split(",") if i.strip()]
-    args.interfaces = list(dict.fromkeys(interfaces))
-    _validate(args)
-    args.launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
-    args.host_discovery_timeout_s = env_seconds(HOST_DISCOVERY_TIMEOUT)
-    return args
+    values, command = read(argv, parser)
+    _check(values)
+    launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
+    hosts = _build(
+        HostOptions,
+        values,
+        interfaces=_interfaces(values),
+        ssh=_ssh(values),
+        discovery_timeout_s=env_seconds(HOST_DISCOVERY_TIMEOUT),
+    )
+    for query in Query:
+        if values[query.value]:
+            return query
+    np = _job_size(parser, values, command)
+    return LaunchOptions(
+        command=tuple(command),
+        np=np,
+        hosts=hosts,
+        output=_build(OutputOptions, values),
+        elastic=_elastic(values, np),
+        mpi=_build(MpiOptions, values),
+        engine_env=MappingProxyType(engine_env(values)),
+        launcher_timeout_s=launcher_timeout_s,
+        notes=tuple(notes(values)),
+    )
 
 
 def env_seconds(variable: Variable[float], env: Mapping[str, str] | None = None) -> float:
@@ -349,36 +642,36 @@ def env_seconds(variable: Variable[float], env: Mapping[str, str] | None = None)
     return float(value)
 
 
-def notes(args: argparse.Namespace) -> list[str]:
+def notes(values: Values) -> list[str]:
     """One line per accepted flag that has no effect in hora (printed under ``--verbose``)."""
     found = []
     for option in OPTIONS:
-        value = getattr(args, option.dest)
+        value = values[option.dest]
         if option.inert and value is not None and value is not False:
             found.append(f"{option.flag} has no effect: {option.inert}")
-    if not is_elastic(args):
+    if not _is_elastic(values):
         for option in OPTIONS:
-            if option.elastic_only and getattr(args, option.dest) is not None:
+            if option.elastic_only and values[option.dest] is not None:
                 found.append(
                     f"{option.flag} has no effect: the job is not elastic (give {_TRIGGER_TEXT})."
                 )
-    elif args.slots is not None and args.host_discovery_script is None:
+    elif values["slots"] is not None and values["host_discovery_script"] is None:
         found.append(
             "--slots-per-host has no effect: it applies to hosts a --host-discovery-script names."
         )
     return found
 
 
-def refusals(args: argparse.Namespace) -> list[str]:
+def refusals(values: Values) -> list[str]:
     """Why the flags asking for what hora cannot do are refused (empty when none are given)."""
-    return [option.refused for option in OPTIONS if option.refused and getattr(args, option.dest)]
+    return [option.refused for option in OPTIONS if option.refused and values[option.dest]]
 
 
-def engine_env(args: argparse.Namespace) -> dict[str, str]:
+def engine_env(values: Values) -> dict[str, str]:
     """The ``HORA_*`` variables set by the flags hora honours (and ``NCCL_IB_DISABLE``)."""
     env: dict[str, str] = {}
     for option in OPTIONS:
-        value = getattr(args, option.dest)
+        value = values[option.dest]
         if value is None:
             continue
         if option.variable is not None:

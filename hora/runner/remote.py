@@ -12,7 +12,6 @@ This module knows ssh and hosts; it does not supervise processes.
 
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import shutil
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hora.common import settings_table as table
 from hora.runner import watchdog
 from hora.runner.hosts import HostError
 
@@ -222,10 +222,33 @@ def stdin_payload(
         "cwd": cwd,
         "host": host,
         "grace_s": grace_s,
+        "label": _worker_label(env),
+        "interface": _interface_rule(env),
     }
     if launcher_timeout_s is not None:
         job["launcher_timeout_s"] = launcher_timeout_s
     return b"%d\n" % len(source) + source + watchdog.encode_job(job)
+
+
+def _worker_label(env: dict[str, str]) -> str:
+    """How the watchdog names its worker: ``rank 2``, ``worker node1:0`` (an elastic one), or
+    ``the worker``."""
+    if env.get(table.RANK.env):
+        return f"rank {env[table.RANK.env]}"
+    if env.get(table.ELASTIC_ID.env):
+        return f"worker {env[table.ELASTIC_ID.env]}"
+    return "the worker"
+
+
+def _interface_rule(env: dict[str, str]) -> dict[str, Any]:
+    """What the watchdog does about Gloo's network interface: unless one of ``unless`` is set,
+    put the interface its host reaches ``towards`` with in ``set`` (``towards`` empty: nothing).
+    The watchdog runs without hora, so the names travel with the job."""
+    return {
+        "towards": env.get(table.RENDEZVOUS_ADDR.env, ""),
+        "set": table.GLOO_IFACE.env,
+        "unless": [*table.GLOO_IFACE.environ_names, "GLOO_SOCKET_IFNAME"],
+    }
 
 
 def interface_address(name: str) -> str:
@@ -316,15 +339,3 @@ def _source_towards(host: str, target: str) -> str:
             f"cannot find how this machine reaches host {host!r} ({address}): "
             f"{exc.strerror or exc}. Name an interface with --network-interface."
         ) from None
-
-
-def ssh_settings(args: argparse.Namespace) -> SshSettings:
-    """How the job's hosts are reached: the SSH flags, and a connect timeout capped by
-    ``--start-timeout``."""
-    start_timeout = args.start_timeout if args.start_timeout is not None else CONNECT_TIMEOUT_S
-    return SshSettings(
-        port=args.ssh_port,
-        identity_file=args.ssh_identity_file,
-        options=tuple(args.ssh_option or ()),
-        connect_timeout_s=max(1.0, min(CONNECT_TIMEOUT_S, start_timeout)),
-    )

@@ -9,12 +9,14 @@ reports the rank that caused the failure, with its last stderr lines.
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass
 
 from hora.runner.hosts import Slot, assign_slots, is_local, parse_hostfile, parse_hosts
 from hora.runner.job import Job, Network, Outcome, reach_hosts
+from hora.runner.options import HostOptions
+
+logger = logging.getLogger("hora.runner")
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,10 @@ class StaticPlan:
     def job_env(self) -> dict[str, str]:
         return {}
 
-    def run(self, job: Job, say: Callable[[str], None]) -> Outcome:
+    def run(self, job: Job) -> Outcome:
         """Start one worker per slot, wait for them all, and report how the job ended."""
         for slot in self.slots:
-            say(f"starting {self.describe(slot)}: {' '.join(job.command)}")
+            logger.debug("starting %s: %s", self.describe(slot), " ".join(job.command))
             job.spawn(slot, slot.env(), remote=slot.hostname in self.remote_hosts)
         codes = job.supervisor.wait()
         if all(code == 0 for code in codes.values()):
@@ -54,17 +56,18 @@ class StaticPlan:
         )
 
 
-def plan_job(args: argparse.Namespace, say: Callable[[str], None]) -> StaticPlan:
-    """Resolve hosts and slots, check SSH to every remote host, and pick the store's address.
+def plan_job(np: int, hosts: HostOptions) -> StaticPlan:
+    """Resolve the slots of ``np`` workers on ``hosts``, check SSH to every remote host, and pick
+    the store's address.
 
     Raises:
         HostError: the hosts cannot be used or reached; nothing has been started.
     """
-    if args.hostfile:
-        hosts = parse_hostfile(args.hostfile)
+    if hosts.hostfile:
+        listed = parse_hostfile(hosts.hostfile)
     else:
-        hosts = parse_hosts(args.hosts or f"localhost:{args.np}")
-    slots = assign_slots(hosts, args.np)
+        listed = parse_hosts(hosts.host_list or f"localhost:{np}")
+    slots = assign_slots(listed, np)
     used = list(dict.fromkeys(slot.hostname for slot in slots))
     remote_hosts = [name for name in used if not is_local(name)]
-    return StaticPlan(slots, remote_hosts, reach_hosts(args, remote_hosts, say))
+    return StaticPlan(slots, remote_hosts, reach_hosts(hosts, remote_hosts))

@@ -1,6 +1,6 @@
 """The job's rendezvous store, run by the launcher.
 
-hora's store service (:mod:`hora.common.job.secure_store`) serves the job, listening only on
+hora's store service (:mod:`hora.common.job.store_service`) serves the job, listening only on
 the address the workers use (loopback for a job on this machine). Only processes that prove the
 job secret can use it. Workers find it through ``HORA_RENDEZVOUS_ADDR``/``PORT`` and get the
 secret in ``HORA_SECRET_KEY`` (see :mod:`hora.common.job.store`).
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hora.common import settings_table as table
 from hora.common.job.store import (
     StoreClient,
     new_secret,
@@ -45,9 +46,9 @@ class RendezvousServer:
     def env(self) -> dict[str, str]:
         """Variables that tell workers where the store is and what the secret is."""
         return {
-            "HORA_RENDEZVOUS_ADDR": self.address,
-            "HORA_RENDEZVOUS_PORT": str(self.port),
-            "HORA_SECRET_KEY": self.secret,
+            table.RENDEZVOUS_ADDR.env: self.address,
+            table.RENDEZVOUS_PORT.env: str(self.port),
+            table.SECRET_KEY.env: self.secret,
         }
 
     def record_exit(self, rank: int, text: str) -> None:
@@ -75,7 +76,7 @@ class RendezvousServer:
         # key's name like set_signed values.
         try:
             text = self.client.get_signed(CAUSE).decode()
-        except Exception:  # noqa: BLE001 - an unsigned value is ignored
+        except Exception:  # an unsigned value is ignored
             return None
         words = text.split()
         if len(words) >= 2 and words[0] == "rank" and words[1].isdigit():

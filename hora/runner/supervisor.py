@@ -523,7 +523,7 @@ class Supervisor:
         text = f"{worker.where()} {worker.describe_exit(code)}"
         try:
             self.on_exit(worker.rank, text)
-        except Exception:  # noqa: BLE001 - survivors will still time out
+        except Exception:  # survivors will still time out
             pass
 
     def stop(self) -> None:

@@ -34,22 +34,22 @@ def main() -> int:
     try:
         outcome = ("ok", fn(*args, **kwargs))
         code = 0
-    except BaseException as exc:  # noqa: BLE001 - reported to the caller with the traceback
+    except BaseException as exc:  # reported to the caller with the traceback
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         print(text, file=sys.stderr, end="")
         outcome = ("error", f"{type(exc).__name__}: {exc}\n{text}")
         code = 1
     try:
         blob = cloudpickle.dumps(outcome)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         blob = cloudpickle.dumps(("error", f"the result could not be pickled: {exc}"))
         code = 1
     store.set_signed(result_key(topology.rank), blob)
     try:
-        import hora.common.basics as basics
+        from hora.common.lifecycle import shutdown
 
-        basics.shutdown()
-    except Exception:  # noqa: BLE001 - the result is already posted
+        shutdown()
+    except Exception:  # the result is already posted
         pass
     return code
 

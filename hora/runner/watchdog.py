@@ -53,7 +53,6 @@ from typing import IO, Any
 CONTROL = "\0hora-watchdog "
 
 # Variables that already choose Gloo's network interface; the watchdog then chooses none.
-INTERFACE_VARS = ("HORA_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -281,15 +280,6 @@ def _send(fd: int, data: bytes) -> None:
         pass
 
 
-def _who(env: dict[str, str]) -> str:
-    """``rank 2``, ``worker node1:0`` (an elastic one), or ``the worker``."""
-    if env.get("HORA_RANK"):
-        return f"rank {env['HORA_RANK']}"
-    if env.get("HORA_ELASTIC_ID"):
-        return f"worker {env['HORA_ELASTIC_ID']}"
-    return "the worker"
-
-
 def _supervise(
     worker: subprocess.Popen[bytes], link: LauncherLink, stop: threading.Event, grace_s: float
 ) -> float | None:
@@ -307,6 +297,17 @@ def _supervise(
             stop_tree(worker, grace_s)
             return silent
     return None
+
+
+def _choose_interface(env: dict[str, str], rule: dict[str, Any]) -> None:
+    """Unless one of ``rule["unless"]`` is set in ``env``, set ``rule["set"]`` to the interface
+    this host reaches ``rule["towards"]`` (the job's store) with."""
+    towards = str(rule.get("towards", ""))
+    if not towards or any(env.get(str(name)) for name in rule.get("unless", [])):
+        return
+    interface = interface_towards(towards)
+    if interface is not None:
+        env[str(rule["set"])] = interface
 
 
 def run(job: dict[str, Any], stdin_fd: int) -> int:
@@ -327,11 +328,7 @@ def run(job: dict[str, Any], stdin_fd: int) -> int:
             flush=True,
         )
         return 126
-    rendezvous = env.get("HORA_RENDEZVOUS_ADDR", "")
-    if rendezvous and not any(env.get(name) for name in INTERFACE_VARS):
-        interface = interface_towards(rendezvous)
-        if interface is not None:
-            env["HORA_GLOO_IFACE"] = interface
+    _choose_interface(env, job.get("interface") or {})
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -366,7 +363,7 @@ def run(job: dict[str, Any], stdin_fd: int) -> int:
     else:
         _say(
             f"the launcher (horarun) sent nothing for {silent:.0f} s: it is stopped, hung, or "
-            f"unreachable from host {host}. Stopped {_who(env)} (pid {worker.pid}) there, as "
+            f"unreachable from host {host}. Stopped {job.get('label', 'the worker')} (pid {worker.pid}) there, as "
             f"HORA_LAUNCHER_TIMEOUT_SECONDS ({link.timeout_s:g}) asks."
         )
         _send(1, f"{CONTROL}exit {code}\n".encode())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +18,7 @@ import pytest
 
 from hora.common.job import rounds as protocol
 from hora.common.job.store import StoreClient, new_secret
-from hora.runner import elastic
+from hora.runner import elastic, options
 from hora.runner.elastic import (
     Blacklist,
     DiscoveryError,
@@ -34,11 +36,53 @@ from hora.runner.elastic import (
 )
 from hora.runner.hosts import Host, Slot
 from hora.runner.job import Job
-from hora.runner.options import OptionError, is_elastic, notes, parse, refusals
+from hora.runner.options import LaunchOptions, OptionError
 from hora.runner.remote import SshSettings
 from hora.runner.supervisor import Worker
 
 COMMAND = ["python", "train.py"]
+
+
+def parse(argv: Sequence[str]) -> LaunchOptions:
+    """The options of a job (not a query)."""
+    parsed = options.parse(argv)
+    assert isinstance(parsed, LaunchOptions)
+    return parsed
+
+
+def _limits(launch: LaunchOptions) -> Limits:
+    assert launch.elastic is not None
+    return Limits.from_options(launch.np, launch.elastic)
+
+
+class _Log(logging.Handler):
+    """Keeps what the ``hora.runner`` logger says."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def lines(self, low: int = logging.DEBUG, high: int = logging.CRITICAL) -> list[str]:
+        """The lines logged at a level from ``low`` to ``high``."""
+        return [r.getMessage() for r in self.records if low <= r.levelno <= high]
+
+
+@pytest.fixture(autouse=True)
+def runner_log() -> Iterator[_Log]:
+    """What the runner logs during a test, with its debug lines shown (as under --verbose)."""
+    log = _Log()
+    logger = logging.getLogger("hora.runner")
+    level = logger.level
+    logger.addHandler(log)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield log
+    finally:
+        logger.removeHandler(log)
+        logger.setLevel(level)
 
 
 def _script(tmp_path: Path, body: str, name: str = "discover.sh") -> str:
@@ -144,15 +188,14 @@ def test_a_timed_out_run_is_reported_on_time_when_a_detached_helper_holds_its_ou
 
 
 def test_one_discovery_run_never_outlasts_the_elastic_timeout(tmp_path: Path) -> None:
-    from hora.runner.elastic.start import _discovery_from_flags
-    from hora.runner.options import parse
+    from hora.runner.elastic.start import discovery_for
 
     script = _script(tmp_path, "echo localhost:2\n", "hosts.sh")
     args = parse(["--host-discovery-script", script, "--elastic-timeout", "7", "-np", "1", "true"])
-    discovery = _discovery_from_flags(args, elastic.Limits.from_args(args))
+    discovery = discovery_for(args.hosts, _limits(args))
     assert isinstance(discovery, ScriptDiscovery) and discovery.timeout_s == 7.0
     args = parse(["--host-discovery-script", script, "-np", "1", "true"])
-    discovery = _discovery_from_flags(args, elastic.Limits.from_args(args))
+    discovery = discovery_for(args.hosts, _limits(args))
     assert isinstance(discovery, ScriptDiscovery) and discovery.timeout_s == 60.0
 
 
@@ -174,13 +217,14 @@ def test_a_discovery_run_that_times_out_is_killed_with_what_it_started(tmp_path:
 
 
 @pytest.mark.timeout(20)
-def test_stopping_the_watcher_kills_a_discovery_run_in_progress(tmp_path: Path) -> None:
+def test_stopping_the_watcher_kills_a_discovery_run_in_progress(
+    tmp_path: Path, runner_log: _Log
+) -> None:
     token = str(tmp_path / "helper")
     hang = _script(
         tmp_path, f'{sys.executable} -c "import time; time.sleep(60)" {token}\n', "hang.sh"
     )
-    said: list[str] = []
-    watcher = HostWatcher(ScriptDiscovery(hang), interval_s=0.01, report=said.append)
+    watcher = HostWatcher(ScriptDiscovery(hang), interval_s=0.01)
     watcher.start()
     deadline = time.monotonic() + 10
     while not _alive(token):
@@ -191,7 +235,7 @@ def test_stopping_the_watcher_kills_a_discovery_run_in_progress(tmp_path: Path) 
     while _alive(token):
         assert time.monotonic() < deadline, "the discovery run outlived the watcher"
         time.sleep(0.05)
-    assert said == []  # a run cancelled at the end is no failure to report
+    assert runner_log.lines() == []  # a run cancelled at the end is no failure to report
 
 
 class _Answers:
@@ -208,34 +252,38 @@ class _Answers:
 
 
 @pytest.mark.timeout(10)
-def test_first_discovery_failure_is_fatal_later_ones_keep_the_last_hosts() -> None:
+def test_first_discovery_failure_is_fatal_later_ones_keep_the_last_hosts(
+    runner_log: _Log,
+) -> None:
     with pytest.raises(DiscoveryError, match="boom"):
         HostWatcher(_Answers(DiscoveryError("boom"))).first()
 
-    said: list[str] = []
+    logging.getLogger("hora.runner").setLevel(logging.INFO)  # without --verbose
     good = [Host("a", 1), Host("b", 2)]
     watcher = HostWatcher(
-        _Answers(good, DiscoveryError("script failed"), DiscoveryError("again"), [Host("c", 1)]),
-        report=said.append,
+        _Answers(good, DiscoveryError("script failed"), DiscoveryError("again"), [Host("c", 1)])
     )
     assert watcher.first() == good
     watcher.poll()
     watcher.poll()
     assert watcher.hosts() == good
+    said = runner_log.lines(logging.WARNING)
     assert len(said) == 1  # without --verbose: the first failure only
     assert "script failed; keeping the hosts it found last" in said[0]
     assert "--verbose" in said[0]
     watcher.poll()
     assert watcher.hosts() == [Host("c", 1)]
 
-    said.clear()
-    verbose = HostWatcher(
-        _Answers(good, DiscoveryError("x"), DiscoveryError("y")), report=said.append, verbose=True
-    )
+    runner_log.records.clear()
+    logging.getLogger("hora.runner").setLevel(logging.DEBUG)  # --verbose
+    verbose = HostWatcher(_Answers(good, DiscoveryError("x"), DiscoveryError("y")))
     verbose.first()
     verbose.poll()
     verbose.poll()
-    assert said == ["x; keeping the hosts it found last.", "y; keeping the hosts it found last."]
+    assert runner_log.lines(logging.WARNING) == [
+        "x; keeping the hosts it found last.",
+        "y; keeping the hosts it found last.",
+    ]
 
 
 @pytest.mark.timeout(10)
@@ -377,24 +425,23 @@ def test_update_flags_and_description() -> None:
 @pytest.mark.timeout(10)
 def test_elastic_flags_fill_each_others_defaults(tmp_path: Path) -> None:
     args = parse(["--min-np", "2", "--max-np", "4", *COMMAND])
-    assert is_elastic(args) and args.np == 2 and args.min_np == 2
+    assert args.elastic is not None and args.np == 2 and args.elastic.min_np == 2
     args = parse(["-np", "3", "--max-np", "4", *COMMAND])
-    assert is_elastic(args) and args.min_np == 3
+    assert args.elastic is not None and args.elastic.min_np == 3
     script = _script(tmp_path, "echo a\n")
     args = parse(["-np", "2", "--host-discovery-script", script, *COMMAND])
-    assert is_elastic(args) and args.min_np == 2 and args.max_np is None
-    assert refusals(args) == []
-    assert not is_elastic(parse(["-np", "2", *COMMAND]))
-    limits = Limits.from_args(parse(["--min-np", "2", "--elastic-timeout", "7", *COMMAND]))
+    assert args.elastic is not None and args.elastic.min_np == 2 and args.elastic.max_np is None
+    assert parse(["-np", "2", *COMMAND]).elastic is None
+    limits = _limits(parse(["--min-np", "2", "--elastic-timeout", "7", *COMMAND]))
     assert (limits.np, limits.min_np, limits.max_np, limits.timeout_s) == (2, 2, None, 7.0)
 
 
 @pytest.mark.timeout(10)
 def test_elastic_timeout_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "42")
-    assert Limits.from_args(parse(["--min-np", "1", *COMMAND])).timeout_s == 42.0
+    assert _limits(parse(["--min-np", "1", *COMMAND])).timeout_s == 42.0
     monkeypatch.delenv("HOROVOD_ELASTIC_TIMEOUT")
-    assert Limits.from_args(parse(["--min-np", "1", *COMMAND])).timeout_s == 600.0
+    assert _limits(parse(["--min-np", "1", *COMMAND])).timeout_s == 600.0
 
 
 @pytest.mark.timeout(10)
@@ -439,9 +486,9 @@ def test_discovery_script_must_be_executable(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(10)
 def test_elastic_only_flags_without_elastic_mode_are_noted() -> None:
-    said = "\n".join(notes(parse(["-np", "2", "--reset-limit", "3", *COMMAND])))
+    said = "\n".join(parse(["-np", "2", "--reset-limit", "3", *COMMAND]).notes)
     assert "--reset-limit has no effect: the job is not elastic" in said
-    said = "\n".join(notes(parse(["--min-np", "2", "--slots-per-host", "3", *COMMAND])))
+    said = "\n".join(parse(["--min-np", "2", "--slots-per-host", "3", *COMMAND]).notes)
     assert "--slots-per-host has no effect: it applies to hosts a --host-discovery-script" in said
 
 
@@ -515,8 +562,7 @@ class _Harness:
         self.clock = _Clock()
         self.hosts = hosts
         self.spawner = _FakeSpawner()
-        self.said: list[str] = []
-        self.told: list[str] = []
+        self.log = next(h for h in logging.getLogger("hora.runner").handlers if isinstance(h, _Log))
         self.store = StoreClient("", 0, new_secret(), 5.0)
         limits = Limits(np, min_np or np, max_np, timeout_s, reset_limit, cooldown)
         watcher = SimpleNamespace(hosts=lambda: list(self.hosts))
@@ -527,13 +573,20 @@ class _Harness:
             self.spawner,  # type: ignore[arg-type]
             self.store,
             lambda hosts: hosts,
-            self.said.append,
-            self.told.append,
-            verbose=True,
             clock=self.clock,
         )
         # A round's own store space lives in the same in-process store here.
         self.driver._round_store = self._round_store  # type: ignore[method-assign]
+
+    @property
+    def said(self) -> list[str]:
+        """The driver's progress lines (shown under --verbose)."""
+        return self.log.lines(high=logging.DEBUG)
+
+    @property
+    def told(self) -> list[str]:
+        """The driver's lines shown without --verbose."""
+        return self.log.lines(logging.INFO)
 
     def _round_store(self, number: int) -> StoreClient:
         clone = self.store.reconnect()
@@ -579,6 +632,21 @@ def test_round_zero_times_out_naming_the_hosts_found() -> None:
         ElasticError, match=r"timed out after 5 s waiting for 3 slots.*offer 1 \(a:1"
     ):
         h.step(5.0)
+
+
+@pytest.mark.timeout(20)
+def test_without_verbose_a_new_round_is_one_line_naming_the_new_workers() -> None:
+    logging.getLogger("hora.runner").setLevel(logging.INFO)
+    h = _Harness([Host("a", 1), Host("b", 1)], np=1, min_np=1)
+    h.step()
+    assert h.plan().ranked() == ["a:0", "b:0"]
+    h.hosts = [Host("a", 1), Host("b", 1), Host("c", 1)]
+    h.step()
+    assert h.plan().number == 1
+    assert h.told == [
+        "round 1: 3 workers on 3 hosts, reason: hosts changed: added c:0; started worker 2 (c:0)"
+    ]
+    assert h.said == []  # round 0 and the worker starts are --verbose lines
 
 
 @pytest.mark.timeout(20)
@@ -816,7 +884,7 @@ def test_worker_environment_is_elastic_without_ranks(monkeypatch: pytest.MonkeyP
         {"HORA_ELASTIC_TIMEOUT": "70"},
         SshSettings(),
     )
-    spawner = elastic.Spawner(job, lambda host: host == "far", lambda message: None)
+    spawner = elastic.Spawner(job, lambda host: host == "far")
     spawner.spawn("near:1")
     env = captured["env"]
     assert env["HORA_ELASTIC"] == "1" and env["HORA_ELASTIC_ID"] == "near:1"

@@ -11,12 +11,19 @@ import pytest
 
 from hora.runner import mpi_launch, options
 from hora.runner.mpi_launch import MPILaunchError, Mpirun
+from hora.runner.options import LaunchOptions
 
 COMMAND = ["python", "train.py"]
 
 
-def _command(flavour: str, *flags: str) -> list[str]:
+def _parse(*flags: str) -> LaunchOptions:
     args = options.parse(["--mpi", *flags, *COMMAND])
+    assert isinstance(args, LaunchOptions) and args.mpi.enabled
+    return args
+
+
+def _command(flavour: str, *flags: str) -> list[str]:
+    args = _parse(*flags)
     variables = mpi_launch.worker_variables(args)
     return mpi_launch.mpirun_command(args, Mpirun("/opt/mpi/bin/mpirun", flavour), variables)
 
@@ -110,6 +117,5 @@ def test_find_mpirun_says_what_to_install(tmp_path: Path, python_elsewhere: Path
 
 
 def test_an_elastic_job_cannot_use_mpi(capsys: pytest.CaptureFixture[str]) -> None:
-    args = options.parse(["--mpi", "-np", "2", "--min-np", "1", *COMMAND])
-    assert mpi_launch.run(args, lambda _: None) == 2
+    assert mpi_launch.run(_parse("-np", "2", "--min-np", "1")) == 2
     assert "--mpi cannot run an elastic job" in capsys.readouterr().err

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from hora.common.settings_table import BY_NAME
 from hora.runner import options
-from hora.runner.options import OptionError, engine_env, notes, parse, refusals
+from hora.runner.flags import BY_DEST
+from hora.runner.options import LaunchOptions, OptionError, Query, Refused
 
 COMMAND = ["python", "train.py"]
+
+
+def parse(argv: Sequence[str]) -> LaunchOptions:
+    """The options of a job (not a query)."""
+    parsed = options.parse(argv)
+    assert isinstance(parsed, LaunchOptions)
+    return parsed
 
 
 def _config(tmp_path: Path, text: str) -> str:
@@ -30,7 +40,7 @@ def test_horovodrun_flags_map_to_hora_variables() -> None:
             "--start-timeout", "60", "--tcp", *COMMAND,
         ]
     )  # fmt: skip
-    assert engine_env(args) == {
+    assert args.engine_env == {
         "HORA_FUSION_THRESHOLD": str(2 * 1024 * 1024),
         "HORA_CYCLE_TIME": "3.5",
         "HORA_CACHE_CAPACITY": "512",
@@ -43,7 +53,9 @@ def test_horovodrun_flags_map_to_hora_variables() -> None:
         "HORA_START_TIMEOUT": "60",
         "NCCL_IB_DISABLE": "1",
     }
-    assert args.command == COMMAND and args.np == 4
+    assert args.command == tuple(COMMAND) and args.np == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.np = 2  # type: ignore[misc]
 
 
 def test_single_dash_long_flags_and_repeatable_interfaces() -> None:
@@ -51,10 +63,10 @@ def test_single_dash_long_flags_and_repeatable_interfaces() -> None:
         ["-np", "2", "-hostfile", "hosts", "-prefix-timestamp", "-p", "2222", "-i", "key",
          "--network-interface", "eth1", "--network-interfaces", "eth2,eth1", "--", *COMMAND]
     )  # fmt: skip
-    assert args.hostfile == "hosts" and args.prefix_output_with_timestamp
-    assert (args.ssh_port, args.ssh_identity_file) == (2222, "key")
-    assert args.interfaces == ["eth1", "eth2"]
-    assert args.command == COMMAND
+    assert args.hosts.hostfile == "hosts" and args.output.timestamp
+    assert (args.hosts.ssh.port, args.hosts.ssh.identity_file) == (2222, "key")
+    assert args.hosts.interfaces == ("eth1", "eth2")
+    assert args.command == tuple(COMMAND)
 
 
 def test_config_file_fills_what_the_command_line_left_out(tmp_path: Path) -> None:
@@ -81,7 +93,7 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path: Path) -> Non
         """,
     )
     args = parse(["-np", "2", "--config-file", path, "--cycle-time-ms", "5", *COMMAND])
-    env = engine_env(args)
+    env = args.engine_env
     assert env["HORA_FUSION_THRESHOLD"] == str(32 * 1024 * 1024)
     assert env["HORA_CYCLE_TIME"] == "5"  # the command line wins
     assert env["HORA_CACHE_CAPACITY"] == "0"
@@ -90,11 +102,10 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path: Path) -> Non
     assert env["HORA_GLOO_TIMEOUT_SECONDS"] == "90"
     assert env["HORA_LOG_LEVEL"] == "INFO"
     assert env["HORA_LOG_HIDE_TIME"] == "0"
-    said = "\n".join(notes(args))
+    said = "\n".join(args.notes)
     assert "--hierarchical-allreduce has no effect" in said
     assert "--num-nccl-streams has no effect" in said
     assert "--autotune" not in said  # enabled: false asks for nothing
-    assert refusals(args) == []
 
 
 @pytest.mark.parametrize(
@@ -143,11 +154,11 @@ def test_launcher_timeouts_come_from_their_variables(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("HORA_LAUNCHER_TIMEOUT_SECONDS", raising=False)
     monkeypatch.delenv("HORA_HOST_DISCOVERY_TIMEOUT", raising=False)
     args = parse(["-np", "1", *COMMAND])
-    assert (args.launcher_timeout_s, args.host_discovery_timeout_s) == (60.0, 60.0)
+    assert (args.launcher_timeout_s, args.hosts.discovery_timeout_s) == (60.0, 60.0)
     monkeypatch.setenv("HORA_LAUNCHER_TIMEOUT_SECONDS", "2.5")
     monkeypatch.setenv("HORA_HOST_DISCOVERY_TIMEOUT", "7")
     args = parse(["-np", "1", *COMMAND])
-    assert (args.launcher_timeout_s, args.host_discovery_timeout_s) == (2.5, 7.0)
+    assert (args.launcher_timeout_s, args.hosts.discovery_timeout_s) == (2.5, 7.0)
 
 
 @pytest.mark.parametrize(
@@ -169,16 +180,31 @@ def test_bad_launcher_timeouts_are_refused_by_name(
 
 
 def test_flags_hora_cannot_honour_are_refused() -> None:
-    args = parse(["-np", "2", "--jsrun", "--min-np", "1", *COMMAND])
-    said = "\n".join(refusals(args))
+    with pytest.raises(Refused) as refused:
+        parse(["-np", "2", "--jsrun", "--min-np", "1", *COMMAND])
+    said = "\n".join(refused.value.reasons)
     assert "--jsrun is not available" in said
     assert "--min-np" not in said  # elastic jobs are available (hora.runner.elastic)
+    # --version and --check-build are answered before anything is refused or required.
+    assert options.parse(["--version", "--jsrun"]) is Query.VERSION
+    assert options.parse(["--check-build"]) is Query.CHECK_BUILD
+
+
+def test_a_missing_command_or_np_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, said in [
+        (["-np", "2"], "no command given"),
+        ([*COMMAND], "-np is required"),
+        (["--max-np", "2", *COMMAND], "-np (or --min-np) is required"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parse(argv)
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
 
 
 def test_timeline_flags_become_variables(tmp_path: Path) -> None:
     args = parse(["-np", "2", "--timeline-filename", "t.json", "--timeline-mark-cycles", *COMMAND])
-    assert refusals(args) == []
-    env = options.engine_env(args)
+    env = args.engine_env
     assert env["HORA_TIMELINE"] == str(Path("t.json").resolve())
     assert env["HORA_TIMELINE_MARK_CYCLES"] == "1"
     from_file = parse(
@@ -190,14 +216,16 @@ def test_timeline_flags_become_variables(tmp_path: Path) -> None:
             *COMMAND,
         ]
     )
-    assert options.engine_env(from_file)["HORA_TIMELINE"] == str(Path("x.json").resolve())
+    assert from_file.engine_env["HORA_TIMELINE"] == str(Path("x.json").resolve())
 
 
 def test_controller_from_config_yields_to_the_command_line(tmp_path: Path) -> None:
     args = parse(
         ["-np", "1", "--config-file", _config(tmp_path, "controller: mpi\n"), "--gloo", *COMMAND]
     )
-    assert refusals(args) == []
+    assert not args.mpi.enabled and args.engine_env["HORA_CPU_OPERATIONS"] == "gloo"
+    from_file = parse(["-np", "1", "--config-file", _config(tmp_path, "controller: mpi\n"), "x"])
+    assert from_file.mpi.enabled
 
 
 def test_every_horovodrun_flag_is_accepted() -> None:
@@ -211,13 +239,76 @@ def test_every_horovodrun_flag_is_accepted() -> None:
         "--no-hierarchical-allreduce", "--no-autotune", "--stall-check", "--gloo",
     ]  # fmt: skip
     args = parse(["-np", "1", *flags, *COMMAND])
-    assert refusals(args) == []
     # --gloo, --mpi-args and --binding-args act (the last two with --mpi): not noted as inert.
-    assert len(notes(args)) >= 8
-    env = options.engine_env(args)
+    assert len(args.notes) >= 8
+    assert (args.mpi.args, args.mpi.binding_args) == ("--bind-to none", "x")
+    env = args.engine_env
     assert env["HORA_AUTOTUNE"] == "0"  # --no-autotune came last
     assert env["HORA_AUTOTUNE_LOG"] == str(Path("a.csv").resolve())
     assert env["HORA_AUTOTUNE_WARMUP_SAMPLES"] == "3"
     assert env["HORA_AUTOTUNE_STEPS_PER_SAMPLE"] == "10"
     assert env["HORA_TIMELINE_MARK_CYCLES"] == "1"
     assert options.build_parser().prog == "horarun"
+
+
+# The typed options and their parts.
+PARTS = (
+    options.LaunchOptions,
+    options.HostOptions,
+    options.OutputOptions,
+    options.ElasticOptions,
+    options.MpiOptions,
+)
+
+
+def test_each_flag_lands_in_one_field_or_says_why_not() -> None:
+    """The flag table is the one declaration: a field names the flag it holds, and a flag the
+    runner does not read as such sets a variable, has no effect, is refused, or is read while
+    parsing."""
+    held = [
+        dest
+        for kind in PARTS
+        for item in dataclasses.fields(kind)
+        if (dest := options.flag_of(item)) is not None
+    ]
+    assert len(held) == len(set(held))
+    worked_out = {
+        "version", "check_build", "config_file", "np", "min_np", "elastic_timeout",
+        "network_interface", "network_interfaces", "ssh_port", "ssh_identity_file", "ssh_option",
+        "start_timeout",
+    }  # fmt: skip
+    for dest, option in BY_DEST.items():
+        why = [
+            dest in held,
+            dest in worked_out,
+            option.variable is not None or bool(option.sets),
+            bool(option.inert),
+            bool(option.refused),
+        ]
+        assert any(why), f"{option.flag} is read nowhere"
+    assert all(dest in BY_DEST for dest in worked_out)
+    with pytest.raises(ValueError, match="no flag of hora.runner.flags sets 'ssh_prot'"):
+        options.flag("ssh_prot")
+
+
+def test_flags_reach_the_typed_options(tmp_path: Path) -> None:
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    args = parse(
+        ["--min-np", "2", "--max-np", "4", "--host-discovery-script", str(script), "--slots", "3",
+         "--reset-limit", "5", "--blacklist-cooldown-range", "2", "9", "--elastic-timeout", "30",
+         "--ssh-option", "A=b", "--start-timeout", "4", "--output-filename", str(tmp_path / "o"),
+         "--disable-output-prefix", "--verbose", *COMMAND]
+    )  # fmt: skip
+    assert args.np == 2 and args.elastic == options.ElasticOptions(
+        min_np=2, timeout_s=30.0, max_np=4, reset_limit=5, cooldown_s=(2.0, 9.0)
+    )
+    assert (args.hosts.discovery_script, args.hosts.slots_per_host) == (str(script), 3)
+    assert args.hosts.ssh.options == ("A=b",) and args.hosts.ssh.connect_timeout_s == 4.0
+    assert args.output == options.OutputOptions(
+        directory=str(tmp_path / "o"), disable_prefix=True, timestamp=False, verbose=True
+    )
+    plain = parse(["-np", "3", *COMMAND])
+    assert plain.elastic is None and plain.hosts == options.HostOptions()
+    assert plain.output == options.OutputOptions() and plain.mpi == options.MpiOptions()

@@ -37,5 +37,12 @@ def test_the_secret_travels_on_stdin_not_on_the_command_line() -> None:
         "cwd": "/work",
         "host": "node1",
         "grace_s": 5.0,
+        # The watchdog runs without hora: what it needs of hora's variables travels along.
+        "label": "the worker",
+        "interface": {
+            "towards": "",
+            "set": "HORA_GLOO_IFACE",
+            "unless": ["HORA_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME"],
+        },
     }
     assert "exec(compile(" in LOADER

@@ -8,11 +8,12 @@ keeps the last good answer: a failed run after the first is reported and otherwi
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from hora.common.settings_table import HOST_DISCOVERY_TIMEOUT
@@ -21,6 +22,8 @@ from hora.runner.hosts import Host, slot_count, split_entry
 # How often the discovery script runs, and how long one run may take by default.
 DISCOVERY_INTERVAL_S = 1.0
 DISCOVERY_TIMEOUT_S = HOST_DISCOVERY_TIMEOUT.default
+
+logger = logging.getLogger("hora.runner")
 
 
 class DiscoveryError(RuntimeError):
@@ -224,24 +227,17 @@ class HostWatcher:
     """Asks a :class:`Discovery` for the hosts every ``interval_s`` in a thread, and keeps the
     last good answer.
 
+    A failed run is logged as a warning: the first one always, the later ones too when the
+    ``hora.runner`` logger shows debug lines (``--verbose``).
+
     Args:
         discovery: where hosts come from.
         interval_s: time between two runs.
-        report: prints a line for the user.
-        verbose: report every failed run; otherwise only the first.
     """
 
-    def __init__(
-        self,
-        discovery: Discovery,
-        interval_s: float = DISCOVERY_INTERVAL_S,
-        report: Callable[[str], None] | None = None,
-        verbose: bool = False,
-    ) -> None:
+    def __init__(self, discovery: Discovery, interval_s: float = DISCOVERY_INTERVAL_S) -> None:
         self.discovery = discovery
         self.interval_s = interval_s
-        self.report = report or (lambda message: None)
-        self.verbose = verbose
         self.failures = 0
         self._hosts: list[Host] = []
         self._lock = threading.Lock()
@@ -267,12 +263,13 @@ class HostWatcher:
             if self._stop.is_set():
                 return  # the job is ending; the run was cancelled
             self.failures += 1
-            if self.verbose:
-                self.report(f"{exc}; keeping the hosts it found last.")
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.warning("%s; keeping the hosts it found last.", exc)
             elif self.failures == 1:
-                self.report(
-                    f"{exc}; keeping the hosts it found last (further failures are shown with "
-                    "--verbose)."
+                logger.warning(
+                    "%s; keeping the hosts it found last (further failures are shown with "
+                    "--verbose).",
+                    exc,
                 )
             return
         with self._lock:

@@ -10,6 +10,7 @@ training).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -47,6 +48,8 @@ RESET_GRACE_S = 1.0
 # How long a store write about a failed worker may block.
 STORE_TIMEOUT_S = 30.0
 
+logger = logging.getLogger("hora.runner")
+
 
 class Driver:
     """Runs an elastic job's rounds until training finishes or the job cannot go on.
@@ -58,9 +61,11 @@ class Driver:
         spawner: starts worker processes.
         base: the job's store, without a round's prefix.
         usable: filters discovered hosts this job cannot use (reported once each).
-        say: logs a line under ``--verbose``.
-        tell: prints a line always.
         clock: the time (seconds, monotonic).
+
+    It logs to the ``hora.runner`` logger: its progress at debug level (``--verbose``); a round
+    after the first at info level when debug lines are not shown (the new workers' numbers
+    prefix their output); too few slots as a warning.
     """
 
     def __init__(
@@ -71,9 +76,6 @@ class Driver:
         spawner: Spawner,
         base: StoreClient,
         usable: Callable[[list[Host]], list[Host]],
-        say: Callable[[str], None],
-        tell: Callable[[str], None],
-        verbose: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
@@ -83,9 +85,6 @@ class Driver:
         self.supervisor = spawner.supervisor
         self.base = base
         self.usable = usable
-        self.say = say
-        self.tell = tell
-        self.verbose = verbose
         self.clock = clock
         self.procs = Processes()
         self.rounds = Rounds()
@@ -166,13 +165,15 @@ class Driver:
         number = worker.slot.rank
         worker_id = self.procs.ids[number]
         if number in self.procs.released:
-            self.say(f"worker {number} ({worker_id}) stopped")
+            logger.debug("worker %d (%s) stopped", number, worker_id)
         elif code == 0:
-            self.say(f"worker {number} ({worker_id}) left the job (not in the newest round)")
+            logger.debug("worker %d (%s) left the job (not in the newest round)", number, worker_id)
         else:
-            self.say(
-                f"worker {number} ({worker_id}), not in the newest round, "
-                f"{worker.describe_exit(code)}"
+            logger.debug(
+                "worker %d (%s), not in the newest round, %s",
+                number,
+                worker_id,
+                worker.describe_exit(code),
             )
 
     def _round_store(self, number: int) -> StoreClient:
@@ -189,8 +190,8 @@ class Driver:
             store = self._round_store(failure.round)
             store.set_signed(exit_key(failure.rank), failure.text.encode())
             report_failure(store, failure.text)
-        except Exception as exc:  # noqa: BLE001 - survivors still notice through Gloo
-            self.say(f"could not record the end of rank {failure.rank} in the store: {exc}")
+        except Exception as exc:  # survivors still notice through Gloo
+            logger.debug("could not record the end of rank %d in the store: %s", failure.rank, exc)
 
     def _blacklist_for(self, failure: Failure, how: str) -> None:
         host = host_of(failure.worker_id)
@@ -200,12 +201,16 @@ class Driver:
             delay = blacklist.add(host)
             span = "for good" if delay is None else f"for {delay:.1f} s"
             reason += f"; host {host} blacklisted"
-            self.say(f"blacklisted host {host} {span}: its worker {failure.worker_id} {how}")
+            logger.debug(
+                "blacklisted host %s %s: its worker %s %s", host, span, failure.worker_id, how
+            )
             for worker_id, worker in self.procs.newest.items():
                 number = worker.slot.rank
                 if host_of(worker_id) == host and number not in self.procs.handled:
                     if number not in self.procs.released:
-                        self.say(f"stopping worker {number} ({worker_id}) on blacklisted {host}")
+                        logger.debug(
+                            "stopping worker %d (%s) on blacklisted %s", number, worker_id, host
+                        )
                     self.procs.release(worker)
         self.rounds.forced.append(reason)
 
@@ -230,7 +235,7 @@ class Driver:
             try:
                 if not reset_requested(self.base, plan.number):
                     return
-            except Exception:  # noqa: BLE001 - a store hiccup; look again next time
+            except Exception:  # a store hiccup; look again next time
                 return
             asked_at = now
             rounds.reset_asked = (plan.number, now)
@@ -272,15 +277,23 @@ class Driver:
         if rounds.short_since is None:
             rounds.short_since = now
             if rounds.plan is None:
-                self.say(
-                    f"waiting up to {limits.timeout_s:g} s for {need} slots to start the job "
-                    f"(-np {limits.np}); available: {describe_hosts(available)}"
+                logger.debug(
+                    "waiting up to %g s for %d slots to start the job (-np %d); available: %s",
+                    limits.timeout_s,
+                    need,
+                    limits.np,
+                    describe_hosts(available),
                 )
             else:
-                self.tell(
-                    f"round {rounds.next_number} needs --min-np {need} workers but has "
-                    f"{plural(have, 'usable slot')} ({describe_hosts(available)}; blacklisted hosts: "
-                    f"{blacklisted}); waiting up to {limits.timeout_s:g} s for more"
+                logger.warning(
+                    "round %d needs --min-np %d workers but has %s (%s; blacklisted hosts: %s); "
+                    "waiting up to %g s for more",
+                    rounds.next_number,
+                    need,
+                    plural(have, "usable slot"),
+                    describe_hosts(available),
+                    blacklisted,
+                    limits.timeout_s,
                 )
         if now - rounds.short_since < limits.timeout_s:
             return
@@ -343,19 +356,20 @@ class Driver:
         rounds.forced = []
         hosts = len({host_of(w) for w in order})
         head = f"round {number}: {plural(len(order), 'worker')} on {plural(hosts, 'host')}"
-        if self.verbose:
+        verbose = logger.isEnabledFor(logging.DEBUG)
+        if verbose:
             ranks = ", ".join(f"rank {r} {w}" for r, w in enumerate(order))
-            self.say(f"{head} ({ranks}), reason: {reason}")
+            logger.debug("%s (%s), reason: %s", head, ranks, reason)
         started = []
         for worker_id in order:
             if worker_id not in running:
                 worker = self.spawner.spawn(worker_id)
                 self.procs.add(worker_id, worker, number)
                 started.append(f"worker {worker.slot.rank} ({worker_id})")
-        if not self.verbose and number > 0:
+        if not verbose and number > 0:
             # The new workers' numbers prefix their output: say whose they are.
             new = f"; started {', '.join(started)}" if started else ""
-            self.tell(f"{head}, reason: {reason}{new}")
+            logger.info("%s, reason: %s%s", head, reason, new)
 
     # -------------------------------------------------------- the end
 
@@ -371,7 +385,9 @@ class Driver:
             if others
             else ""
         )
-        self.say(f"{self.ending.finisher} finished with exit status 0: training is over{waiting}")
+        logger.debug(
+            "%s finished with exit status 0: training is over%s", self.ending.finisher, waiting
+        )
         running = self.procs.running()
         arrived = self._arrivals(plan)
         formed = len(arrived) == plan.size
@@ -391,8 +407,11 @@ class Driver:
             # before hvd.init(): those get their time.
             joiner = plan.number > 0 and self.procs.started_for.get(number) == plan.number
             if other in arrived or joiner:
-                self.say(
-                    f"stopping worker {number} ({other}): it never trained in round {plan.number}"
+                logger.debug(
+                    "stopping worker %d (%s): it never trained in round %d",
+                    number,
+                    other,
+                    plan.number,
                 )
                 self.ending.never_joined.add(other)
                 self.procs.release(worker)
@@ -402,7 +421,7 @@ class Driver:
         try:
             store = self._round_store(plan.number)
             return {w for w, a in plan.workers.items() if store.marked(arrived_key(a.rank))}
-        except Exception:  # noqa: BLE001 - then the round counts as formed
+        except Exception:  # then the round counts as formed
             return set(plan.workers)
 
     def _finish_step(self, now: float) -> int | None:

@@ -8,13 +8,11 @@ workers (:func:`order_workers`).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hora.common.job.rounds import HOSTS_ADDED, HOSTS_REMOVED, RoundPlan, host_of
-from hora.common.job.rounds import timeout_s as worker_timeout_s
-from hora.common.settings_table import ELASTIC_TIMEOUT
+from hora.runner.options import ElasticOptions
 
 
 class ElasticError(RuntimeError):
@@ -96,22 +94,15 @@ class Limits:
     cooldown: tuple[float, float] | None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Limits:
-        timeout = args.elastic_timeout
-        if timeout is None:
-            try:
-                timeout = worker_timeout_s()
-            except ValueError:
-                # The workers refuse the value, naming it; the driver keeps the default.
-                timeout = ELASTIC_TIMEOUT.default
-        cooldown = args.blacklist_cooldown_range
+    def from_options(cls, np: int, elastic: ElasticOptions) -> Limits:
+        """The limits of a job that starts with ``np`` workers."""
         return cls(
-            np=int(args.np),
-            min_np=int(args.min_np if args.min_np is not None else args.np),
-            max_np=args.max_np,
-            timeout_s=float(timeout),
-            reset_limit=args.reset_limit,
-            cooldown=(float(cooldown[0]), float(cooldown[1])) if cooldown else None,
+            np=np,
+            min_np=elastic.min_np,
+            max_np=elastic.max_np,
+            timeout_s=elastic.timeout_s,
+            reset_limit=elastic.reset_limit,
+            cooldown=elastic.cooldown_s,
         )
 
 

@@ -10,15 +10,13 @@ before anything starts.
 
 from __future__ import annotations
 
-import argparse
+import logging
 import shutil
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hora.common import settings_table as table
 from hora.runner.elastic.blacklist import Blacklist, HostManager, describe_hosts
 from hora.runner.elastic.discovery import (
-    DISCOVERY_TIMEOUT_S,
     Discovery,
     HostWatcher,
     ScriptDiscovery,
@@ -29,15 +27,13 @@ from hora.runner.elastic.rounds import ElasticError, Limits
 from hora.runner.elastic.workers import Spawner
 from hora.runner.hosts import Host, is_local, parse_hostfile, parse_hosts
 from hora.runner.job import Job, Network, Outcome, reach_hosts
+from hora.runner.options import ElasticOptions, HostOptions
 
 # Workers wait this much longer than the driver (HORA_ELASTIC_TIMEOUT), so that when a round
 # cannot form, the driver, which sees the whole job, gives up first and says why.
 WORKER_TIMEOUT_SLACK_S = 10.0
 
-
-def tell(message: str) -> None:
-    """Print a line for the user, always."""
-    print(f"horarun: {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger("hora.runner")
 
 
 @dataclass
@@ -54,7 +50,7 @@ class Locality:
 
 @dataclass
 class UsableHosts:
-    """Leaves out the discovered hosts this job cannot use, saying so once for each.
+    """Leaves out the discovered hosts this job cannot use, saying so once for each (a warning).
 
     A host that is another machine cannot join when the store listens on loopback (every host
     was this machine when the job started), or when there is no ``ssh`` client here.
@@ -62,7 +58,6 @@ class UsableHosts:
 
     bind_address: str
     locality: Locality
-    tell: Callable[[str], None]
     refused: set[str] = field(default_factory=set)
 
     def __call__(self, hosts: list[Host]) -> list[Host]:
@@ -73,7 +68,7 @@ class UsableHosts:
                 kept.append(host)
             elif host.name not in self.refused:
                 self.refused.add(host.name)
-                self.tell(f"{why}; it is not used.")
+                logger.warning("%s; it is not used.", why)
         return kept
 
     def _why_not(self, name: str) -> str:
@@ -99,33 +94,28 @@ class ElasticPlan:
         watcher: where the newest hosts come from (it has run discovery once).
         locality: which hosts are other machines.
         network: where the store listens and how hosts are reached.
-        verbose: ``--verbose``.
     """
 
     limits: Limits
     watcher: HostWatcher
     locality: Locality
     network: Network
-    verbose: bool = False
     # The driver records a failed worker's end in its round's store space itself.
     record_exits: bool = False
 
     def job_env(self) -> dict[str, str]:
         worker_timeout = self.limits.timeout_s + WORKER_TIMEOUT_SLACK_S
-        return {"HORA_ELASTIC_TIMEOUT": f"{worker_timeout:g}"}
+        return {table.ELASTIC_TIMEOUT.env: f"{worker_timeout:g}"}
 
-    def run(self, job: Job, say: Callable[[str], None]) -> Outcome:
+    def run(self, job: Job) -> Outcome:
         """Drive the job's rounds to the end, watching the hosts meanwhile."""
         driver = Driver(
             self.limits,
             HostManager(Blacklist(self.limits.cooldown)),
             self.watcher,
-            Spawner(job, self.locality.is_remote, say),
+            Spawner(job, self.locality.is_remote),
             job.server.client,
-            UsableHosts(self.network.bind_address, self.locality, tell),
-            say,
-            tell,
-            verbose=self.verbose,
+            UsableHosts(self.network.bind_address, self.locality),
         )
         self.watcher.start()
         try:
@@ -138,37 +128,38 @@ class ElasticPlan:
             self.watcher.stop()
 
 
-def _discovery_from_flags(args: argparse.Namespace, limits: Limits) -> Discovery:
-    if args.host_discovery_script:
+def discovery_for(hosts: HostOptions, limits: Limits) -> Discovery:
+    """Where the job's hosts come from: the discovery script, else ``--hostfile`` or ``-H``."""
+    if hosts.discovery_script:
         # One run never blocks the driver longer than the job waits for hosts.
-        timeout_s = min(
-            getattr(args, "host_discovery_timeout_s", DISCOVERY_TIMEOUT_S), limits.timeout_s
-        )
-        return ScriptDiscovery(args.host_discovery_script, args.slots or 1, timeout_s)
-    if args.hostfile:
-        return StaticDiscovery(parse_hostfile(args.hostfile))
-    return StaticDiscovery(parse_hosts(args.hosts or f"localhost:{limits.max_np or limits.np}"))
+        timeout_s = min(hosts.discovery_timeout_s, limits.timeout_s)
+        return ScriptDiscovery(hosts.discovery_script, hosts.slots_per_host, timeout_s)
+    if hosts.hostfile:
+        return StaticDiscovery(parse_hostfile(hosts.hostfile))
+    return StaticDiscovery(
+        parse_hosts(hosts.host_list or f"localhost:{limits.max_np or limits.np}")
+    )
 
 
-def plan_elastic(args: argparse.Namespace, say: Callable[[str], None]) -> ElasticPlan:
+def plan_elastic(np: int, hosts: HostOptions, elastic: ElasticOptions) -> ElasticPlan:
     """Run discovery once and check how the hosts it found are reached; nothing is started.
 
     Raises:
         HostError: the hosts named on the command line cannot be used.
         DiscoveryError: the discovery script failed; the job cannot start.
     """
-    limits = Limits.from_args(args)
-    discovery = _discovery_from_flags(args, limits)
-    watcher = HostWatcher(discovery, report=tell, verbose=bool(args.verbose))
+    limits = Limits.from_options(np, elastic)
+    discovery = discovery_for(hosts, limits)
+    watcher = HostWatcher(discovery)
     first = watcher.first()
-    say(f"hosts found: {describe_hosts([(h.name, h.slots) for h in first])}")
+    logger.debug("hosts found: %s", describe_hosts([(h.name, h.slots) for h in first]))
     if isinstance(discovery, StaticDiscovery) and len(first) == 1:
-        say(
-            f"every worker runs on one host ({first[0].name}): a failed worker blacklists it, "
-            "which ends the job. Name more hosts (-H, --hostfile, --host-discovery-script) to "
-            "survive failures."
+        logger.debug(
+            "every worker runs on one host (%s): a failed worker blacklists it, which ends the "
+            "job. Name more hosts (-H, --hostfile, --host-discovery-script) to survive failures.",
+            first[0].name,
         )
     locality = Locality()
     remote = [h.name for h in first if locality.is_remote(h.name)]
-    network = reach_hosts(args, remote, say, hosts_may_join=True)
-    return ElasticPlan(limits, watcher, locality, network, verbose=bool(args.verbose))
+    network = reach_hosts(hosts, remote, hosts_may_join=True)
+    return ElasticPlan(limits, watcher, locality, network)

@@ -8,13 +8,17 @@ job's life, one at a time: :class:`Processes` knows the newest.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hora.common import settings_table as table
 from hora.common.job.rounds import ELASTIC_VAR, WORKER_ID_VAR
 from hora.runner.hosts import Slot
 from hora.runner.job import Job
 from hora.runner.supervisor import Supervisor, Worker
+
+logger = logging.getLogger("hora.runner")
 
 
 @dataclass
@@ -24,13 +28,11 @@ class Spawner:
     Attributes:
         job: the job's store, supervisor and worker environment.
         is_remote: whether a host is another machine.
-        say: logs a line under ``--verbose``.
         next_number: the number the next process gets.
     """
 
     job: Job
     is_remote: Callable[[str], bool]
-    say: Callable[[str], None]
     next_number: int = 0
 
     @property
@@ -55,12 +57,13 @@ class Spawner:
         env = {
             ELASTIC_VAR: "1",
             WORKER_ID_VAR: worker_id,
-            "HORA_HOSTNAME": host,
-            "HOROVOD_HOSTNAME": host,
+            **dict.fromkeys(table.HOSTNAME.environ_names, host),
         }
         remote = self.is_remote(host)
         where = "over ssh" if remote else "on this machine"
-        self.say(f"starting worker {number} ({worker_id}) {where}: {' '.join(self.job.command)}")
+        logger.debug(
+            "starting worker %d (%s) %s: %s", number, worker_id, where, " ".join(self.job.command)
+        )
         return self.job.spawn(slot, env, remote=remote)
 
 
