@@ -30,8 +30,8 @@ import torch.distributed as _dist
 import hora.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
-from collectives import Comparison, duration, scaled, size_label  # noqa: E402
+import harness
+from collectives import Comparison, duration, scaled, size_label
 
 dist: Any = _dist
 

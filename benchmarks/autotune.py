@@ -28,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
-import training  # noqa: E402
+import harness
+import training
 
 RAW_PREFIX = "autotune-bench-raw"
 WARMUP, STEPS_PER_SAMPLE = 2, 6

@@ -70,7 +70,7 @@ from hora.common.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+import harness
 
 MIB = 1024 * 1024
 KIB = 1024

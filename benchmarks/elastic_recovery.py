@@ -40,7 +40,7 @@ import torch
 import hora
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+import harness
 
 GOAL = 1.0
 NP = 3

@@ -38,7 +38,7 @@ import hora
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+import harness
 
 GOAL = 1.0  # hora's time / torchrun's time
 HORA_INIT = "import hora.torch as hvd; hvd.init(); hvd.shutdown()"

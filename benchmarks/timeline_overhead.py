@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
-import training  # noqa: E402
+import harness
+import training
 
 GOAL = 0.05
 RAW_PREFIX = "timeline-overhead-raw"

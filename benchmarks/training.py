@@ -71,7 +71,7 @@ from hora.common.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+import harness
 
 GOAL = 1.05  # hora throughput / DDP throughput
 GOALS = {"cpu": GOAL, "cuda": 1.0}  # the same, by --device

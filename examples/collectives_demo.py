@@ -1,4 +1,4 @@
-"""A 2-worker tour of hora's collectives. Run it with ``./dev demo`` or::
+"""A 2-worker tour of hora's collectives. Run it with::
 
     horarun -np 2 python examples/collectives_demo.py
 

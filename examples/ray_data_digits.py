@@ -50,8 +50,8 @@ from hora.ray import HoraConfig, HoraTrainer
 
 # pytorch_digits.py sits next to this file; Python finds it when this script is run directly.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pytorch_digits  # noqa: E402
-from pytorch_digits import DigitsNet  # noqa: E402
+import pytorch_digits
+from pytorch_digits import DigitsNet
 
 # The Ray workers do not have examples/ on their path: send pytorch_digits by value.
 ray.cloudpickle.register_pickle_by_value(pytorch_digits)

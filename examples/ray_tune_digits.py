@@ -44,7 +44,7 @@ from hora.ray import HoraConfig, HoraTrainer
 
 # ray_digits.py (and the pytorch_digits.py it imports) sit next to this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ray_digits  # noqa: E402
+import ray_digits
 
 # The trial actors and the workers do not have examples/ on their path: send the module's
 # functions by value (ray_digits registers pytorch_digits the same way).

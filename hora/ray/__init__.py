@@ -18,11 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 try:
     import ray  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
+    if exc.name != "ray":
+        raise  # Ray is there but does not import: its own traceback says why
+    raise ModuleNotFoundError(
         'hora.ray needs Ray, which is not installed: pip install "hora[ray]" '
-        '(or pip install "ray[train]").'
-    ) from exc
+        '(or pip install "ray[train]").',
+        name="ray",
+    ) from None
 
 if TYPE_CHECKING:
     from hora.ray.executor import RayExecutor, RaySettings
@@ -42,7 +45,7 @@ def __getattr__(name: str) -> Any:
             raise ImportError(
                 f"hora.ray.{name} needs Ray Train, which cannot be imported ({exc}): "
                 'pip install "hora[ray]" (or pip install "ray[train]").'
-            ) from exc
+            ) from None
         return getattr(trainer, name)
     if name in _EXECUTOR_NAMES:
         from hora.ray import executor

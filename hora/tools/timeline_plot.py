@@ -30,8 +30,8 @@ from hora.tools.timeline import (
 )
 
 INSTALL_HINT = (
-    "hora timeline plot needs matplotlib, which is not installed in this environment.\n"
-    "Install it with: pip install 'hora[plot]'   (or: pip install matplotlib)"
+    "drawing a timeline needs matplotlib, which is not installed in this environment: "
+    "pip install 'hora[plot]' (or pip install matplotlib)."
 )
 COLLECTIVE = "collective"
 COLORS = {
@@ -114,8 +114,8 @@ def plot(timeline: Timeline, out: str | os.PathLike[str], steps: int = 3) -> Plo
     try:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
-    except ImportError as exc:
-        raise TimelineError(INSTALL_HINT) from exc
+    except ImportError:
+        raise TimelineError(INSTALL_HINT) from None
 
     window = choose_window(timeline, steps)
     ranks = timeline.ranks

@@ -25,7 +25,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-L = pytest.importorskip("lightning")
+L = pytest.importorskip(
+    "lightning", reason="Lightning is not installed: pip install -e '.[integrations]'"
+)
 
 import hora.lightning  # noqa: E402 - registers strategy="hora"
 from hora.lightning import HoraEnvironment, HoraStrategy  # noqa: E402

@@ -21,10 +21,10 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[integrations]'")
 
-import ray  # noqa: E402
-import ray.cloudpickle  # noqa: E402
+import ray
+import ray.cloudpickle
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -167,7 +167,7 @@ def train_loop(config: dict) -> None:
     hvd.shutdown()
 
 
-def load_state(result) -> dict:  # noqa: ANN001
+def load_state(result) -> dict:
     with result.checkpoint.as_directory() as directory:
         return torch.load(os.path.join(directory, "state.pt"), map_location="cpu")
 

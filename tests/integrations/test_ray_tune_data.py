@@ -21,13 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("ray")
-pytest.importorskip("ray.tune")
-pytest.importorskip("ray.data")
-pytest.importorskip("sklearn")
+pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[integrations]'")
+pytest.importorskip(
+    "ray.tune", reason="ray.tune is not installed: pip install -e '.[integrations]'"
+)
+pytest.importorskip(
+    "ray.data", reason="ray.data is not installed: pip install -e '.[integrations]'"
+)
+pytest.importorskip("sklearn", reason="scikit-learn is not installed: pip install -e '.[dev]'")
 
-import ray  # noqa: E402
-import ray.cloudpickle  # noqa: E402
+import ray
+import ray.cloudpickle
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))

@@ -24,7 +24,7 @@ HAS_TF_KERAS = importlib.util.find_spec("tf_keras") is not None
 
 NO_TENSORFLOW = (
     "TensorFlow is not installed in this Python: hora.tensorflow's tests need it "
-    "(pip install tensorflow; tf-keras too for the tf_keras tests)."
+    "(pip install -e '.[integrations]', which brings tf-keras too; ./dev test installs it)."
 )
 
 

@@ -64,7 +64,7 @@ def test_keras_digits_learns(flavor: str) -> None:
     env = {}
     if flavor == "tf_keras":
         if not HAS_TF_KERAS:
-            pytest.skip("tf_keras is not installed (pip install tf-keras)")
+            pytest.skip("tf_keras is not installed: pip install -e '.[integrations]'")
         env["TF_USE_LEGACY_KERAS"] = "1"
     output = _run(KERAS_DIGITS, "--epochs", "10", "--lr", "0.05", "--warmup-epochs", "2", env=env)
     rates = [float(lr) for lr in KERAS_EPOCH.findall(output)]

@@ -50,7 +50,7 @@ def _error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
     """What ``call()`` raised: ``{"types": [class names along the MRO], "message": ...}``."""
     try:
         call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+    except Exception as exc:  # the test inspects what was raised
         return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
     return None
 
@@ -560,7 +560,7 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     if not HAS_TENSORFLOW:
         pytest.skip(NO_TENSORFLOW)
     if flavor == "tf_keras" and not HAS_TF_KERAS:
-        pytest.skip("tf_keras is not installed (pip install tf-keras)")
+        pytest.skip("tf_keras is not installed: pip install -e '.[integrations]'")
     checks = ALL_CHECKS if np_ == 2 else SIZE_CHECKS
     tmp = tmp_path_factory.mktemp(f"{flavor}-np{np_}")
     env = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0", **FLAVORS[flavor]}

