@@ -20,7 +20,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _check_build(args: argparse.Namespace) -> int:
     del args
-    from hora.tools.doctor import check_build_text
+    from hora.common.build_info import check_build_text
 
     print(check_build_text())
     return 0

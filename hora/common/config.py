@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from hora.common import settings_table as table
@@ -23,19 +23,16 @@ class SettingError(ValueError):
     """An environment variable holds a value hora cannot use."""
 
 
-def lookup(name: str, env: Mapping[str, str] | None = None) -> str | None:
-    """Return ``HORA_<name>`` or, failing that, ``HOROVOD_<name>`` (``None`` when neither is set).
+def raw(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | None:
+    """The text of ``HORA_<name>`` or, failing that, of its ``HOROVOD_<name>`` twin (``None``
+    when neither is set, or set to the empty string).
 
     A variable declared without a Horovod twin (``STEADY_STATE``, ``SECRET_KEY``, ...) is read
     under its ``HORA_`` name only.
     """
     source = os.environ if env is None else env
-    declared = table.BY_NAME.get(name)
-    prefixes = (
-        ("HORA_",) if declared is not None and not declared.horovod else ("HORA_", "HOROVOD_")
-    )
-    for prefix in prefixes:
-        value = source.get(prefix + name)
+    for name in variable.environ_names:
+        value = source.get(name)
         if value is not None and value != "":
             return value
     return None
@@ -50,27 +47,26 @@ def read(
     Raises:
         SettingError: the text cannot be parsed; the message names the variable and the value.
     """
-    raw = lookup(variable.name, env)
-    if raw is None:
+    text = raw(variable, env)
+    if text is None:
         return variable.default if default is None else default
     try:
-        return variable.kind.parse(raw)
+        return variable.kind.parse(text)
     except ValueError:
         raise SettingError(
-            f"{variable.names} must be {variable.kind.expected}, got {raw!r}."
+            f"{variable.names} must be {variable.kind.expected}, got {text!r}."
         ) from None
 
 
-def flag(name: str, default: bool = False, env: Mapping[str, str] | None = None) -> bool:
-    """An on/off variable: 1/0, true/false, yes/no, on/off (``HORA_`` then ``HOROVOD_``)."""
-    raw = lookup(name, env)
-    if raw is None:
-        return default
-    try:
-        return table.parse_bool(raw)
-    except ValueError:
-        names = table.BY_NAME[name].names if name in table.BY_NAME else f"HORA_{name}"
-        raise SettingError(f"{names} must be 0 or 1, got {raw!r}.") from None
+def is_set(variable: Variable[Any], env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``variable`` (or its Horovod twin) is set to something."""
+    return raw(variable, env) is not None
+
+
+def _setting(variable: Variable[Any], negated: bool = False) -> Any:
+    """A :class:`Settings` field read from ``variable`` (``negated``: its boolean opposite)."""
+    default = not variable.default if negated else variable.default
+    return field(default=default, metadata={"variable": variable, "negated": negated})
 
 
 @dataclass(frozen=True)
@@ -103,25 +99,25 @@ class Settings:
         enable_nvtx: mark the engine's phases as NVTX ranges (a no-op without CUDA).
     """
 
-    fusion_threshold_bytes: int = table.FUSION_THRESHOLD.default
-    cycle_time_ms: float = table.CYCLE_TIME.default
-    cache_capacity: int = table.CACHE_CAPACITY.default
-    carry_threshold_bytes: int = table.CARRY_THRESHOLD.default
-    stall_check_enabled: bool = not table.STALL_CHECK_DISABLE.default
-    stall_check_time_s: float = table.STALL_CHECK_TIME_SECONDS.default
-    stall_shutdown_time_s: float = table.STALL_SHUTDOWN_TIME_SECONDS.default
-    gloo_timeout_s: float = table.GLOO_TIMEOUT_SECONDS.default
-    dynamic_process_sets: bool = table.DYNAMIC_PROCESS_SETS.default
-    disable_group_fusion: bool = table.DISABLE_GROUP_FUSION.default
-    log_level: str = table.LOG_LEVEL.default
-    steady_state: bool = table.STEADY_STATE.default
-    autotune: bool = table.AUTOTUNE.default
-    autotune_log: str | None = table.AUTOTUNE_LOG.default
-    autotune_warmup_samples: int = table.AUTOTUNE_WARMUP_SAMPLES.default
-    autotune_steps_per_sample: int = table.AUTOTUNE_STEPS_PER_SAMPLE.default
-    cpu_operations: str = table.CPU_OPERATIONS.default
-    gpu_operations: str = table.GPU_OPERATIONS.default
-    enable_nvtx: bool = table.ENABLE_NVTX.default
+    fusion_threshold_bytes: int = _setting(table.FUSION_THRESHOLD)
+    cycle_time_ms: float = _setting(table.CYCLE_TIME)
+    cache_capacity: int = _setting(table.CACHE_CAPACITY)
+    carry_threshold_bytes: int = _setting(table.CARRY_THRESHOLD)
+    stall_check_enabled: bool = _setting(table.STALL_CHECK_DISABLE, negated=True)
+    stall_check_time_s: float = _setting(table.STALL_CHECK_TIME_SECONDS)
+    stall_shutdown_time_s: float = _setting(table.STALL_SHUTDOWN_TIME_SECONDS)
+    gloo_timeout_s: float = _setting(table.GLOO_TIMEOUT_SECONDS)
+    dynamic_process_sets: bool = _setting(table.DYNAMIC_PROCESS_SETS)
+    disable_group_fusion: bool = _setting(table.DISABLE_GROUP_FUSION)
+    log_level: str = _setting(table.LOG_LEVEL)
+    steady_state: bool = _setting(table.STEADY_STATE)
+    autotune: bool = _setting(table.AUTOTUNE)
+    autotune_log: str | None = _setting(table.AUTOTUNE_LOG)
+    autotune_warmup_samples: int = _setting(table.AUTOTUNE_WARMUP_SAMPLES)
+    autotune_steps_per_sample: int = _setting(table.AUTOTUNE_STEPS_PER_SAMPLE)
+    cpu_operations: str = _setting(table.CPU_OPERATIONS)
+    gpu_operations: str = _setting(table.GPU_OPERATIONS)
+    enable_nvtx: bool = _setting(table.ENABLE_NVTX)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -130,40 +126,25 @@ class Settings:
         Raises:
             SettingError: a variable is set to something that cannot be parsed or is out of range.
         """
-        check_time_s = read(table.STALL_CHECK_TIME_SECONDS, env)
-        # A longer check time moves the default shutdown time with it (never below it).
-        shutdown_default = max(table.STALL_SHUTDOWN_TIME_SECONDS.default, check_time_s)
-        settings = cls(
-            fusion_threshold_bytes=read(table.FUSION_THRESHOLD, env),
-            cycle_time_ms=read(table.CYCLE_TIME, env),
-            cache_capacity=read(table.CACHE_CAPACITY, env),
-            carry_threshold_bytes=read(table.CARRY_THRESHOLD, env),
-            stall_check_enabled=not read(table.STALL_CHECK_DISABLE, env),
-            stall_check_time_s=check_time_s,
-            stall_shutdown_time_s=read(
-                table.STALL_SHUTDOWN_TIME_SECONDS, env, default=shutdown_default
-            ),
-            gloo_timeout_s=read(table.GLOO_TIMEOUT_SECONDS, env),
-            dynamic_process_sets=read(table.DYNAMIC_PROCESS_SETS, env),
-            disable_group_fusion=read(table.DISABLE_GROUP_FUSION, env),
-            log_level=read(table.LOG_LEVEL, env),
-            steady_state=read(table.STEADY_STATE, env),
-            autotune=read(table.AUTOTUNE, env),
-            autotune_log=read(table.AUTOTUNE_LOG, env),
-            autotune_warmup_samples=read(table.AUTOTUNE_WARMUP_SAMPLES, env),
-            autotune_steps_per_sample=read(table.AUTOTUNE_STEPS_PER_SAMPLE, env),
-            cpu_operations=read(table.CPU_OPERATIONS, env).lower(),
-            gpu_operations=read(table.GPU_OPERATIONS, env).lower(),
-            enable_nvtx=read(table.ENABLE_NVTX, env),
-        )
+        values: dict[str, Any] = {}
+        for declared in fields(cls):
+            variable: Variable[Any] = declared.metadata["variable"]
+            value = read(variable, env)
+            values[declared.name] = not value if declared.metadata["negated"] else value
+        if not is_set(table.STALL_SHUTDOWN_TIME_SECONDS, env):
+            # A longer check time moves the default shutdown time with it (never below it).
+            values["stall_shutdown_time_s"] = max(
+                values["stall_shutdown_time_s"], values["stall_check_time_s"]
+            )
+        settings = cls(**values)
         settings.validate()
         return settings
 
     def validate(self) -> None:
         """Raise :class:`SettingError` for values out of range (the variables' declared bounds
         and choices)."""
-        for field, variable in SETTINGS_VARIABLES.items():
-            problem = variable.problem(getattr(self, field))
+        for name, variable in SETTINGS_VARIABLES.items():
+            problem = variable.problem(getattr(self, name))
             if problem is not None:
                 raise SettingError(problem)
 
@@ -171,25 +152,7 @@ class Settings:
 # The variable each field of :class:`Settings` is read from (``stall_check_enabled`` is the
 # negation of ``HORA_STALL_CHECK_DISABLE``).
 SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
-    "fusion_threshold_bytes": table.FUSION_THRESHOLD,
-    "cycle_time_ms": table.CYCLE_TIME,
-    "cache_capacity": table.CACHE_CAPACITY,
-    "carry_threshold_bytes": table.CARRY_THRESHOLD,
-    "stall_check_enabled": table.STALL_CHECK_DISABLE,
-    "stall_check_time_s": table.STALL_CHECK_TIME_SECONDS,
-    "stall_shutdown_time_s": table.STALL_SHUTDOWN_TIME_SECONDS,
-    "gloo_timeout_s": table.GLOO_TIMEOUT_SECONDS,
-    "dynamic_process_sets": table.DYNAMIC_PROCESS_SETS,
-    "disable_group_fusion": table.DISABLE_GROUP_FUSION,
-    "log_level": table.LOG_LEVEL,
-    "steady_state": table.STEADY_STATE,
-    "autotune": table.AUTOTUNE,
-    "autotune_log": table.AUTOTUNE_LOG,
-    "autotune_warmup_samples": table.AUTOTUNE_WARMUP_SAMPLES,
-    "autotune_steps_per_sample": table.AUTOTUNE_STEPS_PER_SAMPLE,
-    "cpu_operations": table.CPU_OPERATIONS,
-    "gpu_operations": table.GPU_OPERATIONS,
-    "enable_nvtx": table.ENABLE_NVTX,
+    declared.name: declared.metadata["variable"] for declared in fields(Settings)
 }
 
 

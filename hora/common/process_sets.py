@@ -83,6 +83,12 @@ class ProcessSet:
         return hash((tuple(self.ranks), self.process_set_id))
 
 
+# Every rank of the job: id 0, bound to the running session at each ``init``. One object for the
+# life of the process, as Horovod's ``hvd.global_process_set``.
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
 def mpi_comm_ranks(comm: Any, reference: Any = None) -> list[int]:
     """The ranks that the processes of the mpi4py communicator ``comm`` have in ``reference``
     (the job's communicator; ``MPI_COMM_WORLD`` when ``None``).

@@ -54,6 +54,8 @@ NUMBER: Kind[float] = Kind("a number", float)
 BOOLEAN: Kind[bool] = Kind("0 or 1", parse_bool)
 TEXT: Kind[str] = Kind("text", str)
 LEVEL: Kind[str] = Kind("a log level", str.upper)
+# One of a variable's choices, in any case (``MPI``: ``mpi``).
+CHOICE: Kind[str] = Kind("text", lambda text: text.strip().lower())
 OPTIONAL_TEXT: Kind[str | None] = Kind("text", str)
 OPTIONAL_INTEGER: Kind[int | None] = Kind("an integer", parse_int)
 OPTIONAL_BOOLEAN: Kind[bool | None] = Kind("0 or 1", parse_bool)
@@ -147,6 +149,12 @@ class Variable(Generic[T]):
     def horovod_env(self) -> str | None:
         """The ``HOROVOD_`` twin, or ``None`` when there is none."""
         return "HOROVOD_" + self.name if self.horovod else None
+
+    @property
+    def environ_names(self) -> tuple[str, ...]:
+        """The variables read, in order: ``HORA_<name>``, then its Horovod twin if it has one."""
+        twin = self.horovod_env
+        return (self.env, twin) if twin else (self.env,)
 
     @property
     def names(self) -> str:
@@ -299,14 +307,14 @@ LOG_HIDE_TIME = Variable(
     "LOG_HIDE_TIME", BOOLEAN, False, "`1` leaves the timestamp out of hora's log lines."
 )
 CPU_OPERATIONS = Variable(
-    "CPU_OPERATIONS", TEXT, "gloo",
+    "CPU_OPERATIONS", CHOICE, "gloo",
     "Which library moves the data of collectives on CPU tensors, and the negotiation between "
     "ranks: `gloo`, or `mpi` (mpi4py, for jobs started by `mpirun`/`mpiexec` or `horarun "
     "--mpi`). See [docs/deployment.md](deployment.md#choosing-a-data-path).",
     choices=("gloo", "mpi"),
 )  # fmt: skip
 GPU_OPERATIONS = Variable(
-    "GPU_OPERATIONS", TEXT, "nccl",
+    "GPU_OPERATIONS", CHOICE, "nccl",
     "How collectives on CUDA tensors move their data: `nccl` (a NCCL group per process set, "
     "buffers stay on the GPU; where this torch has no NCCL, hora uses `host`), or `host` "
     "(copied to host memory and through the CPU data path). Negotiation stays on the CPU path "

@@ -12,9 +12,7 @@ compression, and its public signatures.
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -25,6 +23,7 @@ from hora.common.engine import Entry, Handle, adasum, dtype_name
 from hora.common.errors import HoraInternalError, HoraValueError
 from hora.common.message import ReduceOp, Request, RequestType
 from hora.common.process_sets import ProcessSet
+from hora.common.runtime import GROUPED_CALLS_KEPT, runtime, session
 
 # ---------------------------------------------------------------- holders
 
@@ -38,18 +37,14 @@ class GradientHolder(Protocol):
         in a batch that also waits for what it holds."""
 
 
-# Holders holding something now (see hold()). Weak: a holder that is gone holds nothing.
-_holders: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 def hold(holder: GradientHolder) -> None:
     """Register ``holder`` while it holds tensors back: any wait for a result (:func:`wait`)
     first asks every registered holder to release what it holds."""
-    _holders.add(holder)
+    runtime().holders.add(holder)
 
 
 def stop_holding(holder: GradientHolder) -> None:
-    _holders.discard(holder)
+    runtime().holders.discard(holder)
 
 
 # ---------------------------------------------------------------- checks
@@ -224,15 +219,16 @@ def submit(
     tensor itself, in place; ``None``: a new tensor).
     """
     set_id = check_process_set(process_set, kind)
-    engine = basics.engine()
+    current = session()
+    engine = current.engine
     handle = engine.handle(len(tensors), kind, grouped)
     prefix = f"grouped_{_PREFIXES[kind]}" if grouped else _PREFIXES[kind]
     if name is None:
-        base = f"{prefix}.noname.{_UNNAMED_CALLS.number(engine, set_id)}"
+        base = f"{prefix}.noname.{current.unnamed_call_number(set_id)}"
     else:
         base = f"{prefix}.{name}"
     if grouped and name is not None:
-        requests = _GROUPED_CALLS.requests(kind, base, tensors, set_id, fields)
+        requests = _grouped_requests(current.grouped_calls, kind, base, tensors, set_id, fields)
     else:
         requests = _describe_all(kind, base, tensors, set_id, grouped, fields)
     for tensor in tensors:
@@ -268,8 +264,16 @@ def _describe_all(
     return requests
 
 
-class _GroupedCalls:
-    """The requests of recent named grouped calls, reused while the tensors stay alike.
+def _grouped_requests(
+    known_calls: dict[tuple[Any, ...], Any],
+    kind: RequestType,
+    base: str,
+    tensors: Sequence[torch.Tensor],
+    set_id: int,
+    fields: dict[str, Any],
+) -> list[Request]:
+    """The requests of a named grouped call, reused from ``known_calls`` (the session's) while
+    the tensors stay alike.
 
     A training loop makes the same grouped call every step (``DistributedOptimizer(groups=)``,
     or a user's ``grouped_allreduce`` of a model's gradients): checking and describing each of
@@ -277,71 +281,25 @@ class _GroupedCalls:
     A call is recognised by its name, process set and fields, and each tensor's dtype, shape,
     device, layout and contiguity, which are everything its checks and requests depend on.
     """
-
-    CAPACITY = 64
-
-    def __init__(self) -> None:
-        self._calls: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[Request]]] = {}
-
-    def requests(
-        self,
-        kind: RequestType,
-        base: str,
-        tensors: Sequence[torch.Tensor],
-        set_id: int,
-        fields: dict[str, Any],
-    ) -> list[Request]:
-        signature = tuple(
-            (t.dtype, t.shape, t.device, t.layout, t.is_contiguous())
-            if isinstance(t, torch.Tensor)
-            else None
-            for t in tensors
-        )
-        try:
-            key = (kind, base, set_id, tuple(sorted(fields.items())))
-            known = self._calls.get(key)
-        except TypeError:  # a field that cannot be a key: describe every time
-            known = key = None
-        if known is not None and known[0] == signature:
-            return known[1]
-        requests = _describe_all(kind, base, tensors, set_id, True, fields)
-        if key is not None:
-            if len(self._calls) >= self.CAPACITY and key not in self._calls:
-                del self._calls[next(iter(self._calls))]
-            self._calls[key] = (signature, requests)
-        return requests
-
-
-_GROUPED_CALLS = _GroupedCalls()
-
-
-class _UnnamedCalls:
-    """Numbers each process set's unnamed calls, afresh for every engine.
-
-    Only the members of a process set make its calls, so a count over every call of the
-    process would drift apart between ranks as soon as some of them used a process set: the
-    next unnamed call of the whole job would then get a different name on different ranks. A
-    count per process set stays the same on all its members. A new engine (``init`` after
-    ``shutdown``, or a new elastic round, where new workers join the survivors) starts from 1.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._engine: weakref.ref[Any] | None = None
-        self._counts: dict[int, int] = {}
-
-    def number(self, engine: Any, set_id: int) -> int:
-        """The number of this call among ``set_id``'s unnamed calls on ``engine`` (from 1)."""
-        with self._lock:
-            if self._engine is None or self._engine() is not engine:
-                self._engine = weakref.ref(engine)
-                self._counts = {}
-            count = self._counts.get(set_id, 0) + 1
-            self._counts[set_id] = count
-            return count
-
-
-_UNNAMED_CALLS = _UnnamedCalls()
+    signature = tuple(
+        (t.dtype, t.shape, t.device, t.layout, t.is_contiguous())
+        if isinstance(t, torch.Tensor)
+        else None
+        for t in tensors
+    )
+    try:
+        key = (kind, base, set_id, tuple(sorted(fields.items())))
+        known = known_calls.get(key)
+    except TypeError:  # a field that cannot be a key: describe every time
+        known = key = None
+    if known is not None and known[0] == signature:
+        return known[1]  # type: ignore[no-any-return]
+    requests = _describe_all(kind, base, tensors, set_id, True, fields)
+    if key is not None:
+        if len(known_calls) >= GROUPED_CALLS_KEPT and key not in known_calls:
+            del known_calls[next(iter(known_calls))]
+        known_calls[key] = (signature, requests)
+    return requests
 
 
 def submit_reduction(
@@ -445,25 +403,30 @@ class RepeatedAllreduce:
 
 # ---------------------------------------------------------------- handles
 
-# The integer handles callers hold: the engine's handle and what turns its results into the
-# call's result (None: the usual shapes, see wait()).
-_handles: dict[int, tuple[Handle, Callable[[list[Any]], Any] | None]] = {}
+# The integer handles callers hold are the session's (hora.common.runtime.Session.handles): the
+# engine's handle and what turns its results into the call's result (None: the usual shapes,
+# see wait()). A new session starts with none, so a handle of an earlier one is unknown.
+
+
+def _handles() -> dict[int, Any]:
+    current = runtime().session
+    return current.handles if current is not None else {}
 
 
 def register(handle: Handle, post: Callable[[list[Any]], Any] | None = None) -> int:
     """The integer handle a caller keeps for ``handle`` (Horovod's handles are integers)."""
-    _handles[handle.id] = (handle, post)
+    session().handles[handle.id] = (handle, post)
     return handle.id
 
 
 def poll(handle: int) -> bool:
     """Whether the operation behind ``handle`` has finished (never blocks)."""
-    entry = _handles.get(handle)
+    entry = _handles().get(handle)
     if entry is None:
         raise ValueError(f"Handle {handle} was not created or has been cleared.")
     # A steady-state batch done on the wire is only landed once someone asks for it: the
     # handle tells its engine.
-    return entry[0].poll()
+    return bool(entry[0].poll())
 
 
 def wait(handle: int) -> Any:
@@ -474,12 +437,13 @@ def wait(handle: int) -> Any:
     Raises:
         HoraInternalError: the operation failed (mismatch between ranks, lost peer, shutdown).
     """
-    entry = _handles.pop(handle, None)
+    entry = _handles().pop(handle, None)
     if entry is None:
         return None
     op_handle, post = entry
-    if _holders and not op_handle.done():
-        for holder in list(_holders):
+    holders = runtime().holders
+    if holders and not op_handle.done():
+        for holder in list(holders):
             holder.release_held()
     try:
         results = op_handle.wait()
@@ -493,11 +457,6 @@ def wait(handle: int) -> Any:
     if op_handle.kind == RequestType.ALLTOALL or not op_handle.grouped:
         return results[0]
     return list(results)
-
-
-def clear_handles() -> None:
-    """Forget every handle (at shutdown, and when an elastic reset starts a new engine)."""
-    _handles.clear()
 
 
 # ---------------------------------------------------------------- calls without tensors

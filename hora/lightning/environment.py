@@ -13,7 +13,8 @@ import logging
 import os
 
 from hora.common import basics
-from hora.common.config import lookup
+from hora.common import settings_table as table
+from hora.common.config import is_set
 from hora.common.job.topology import Topology, detect
 from hora.lightning._compat import ClusterEnvironment, find_free_network_port
 
@@ -70,7 +71,7 @@ class HoraEnvironment(ClusterEnvironment):
     @staticmethod
     def detect() -> bool:
         """Whether ``horarun`` or ``hora.run`` started this process."""
-        return lookup("RANK") is not None
+        return is_set(table.RANK)
 
     def world_size(self) -> int:
         return self._topology().size

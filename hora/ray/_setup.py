@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora.common import settings_table as table
 from hora.ray import _worker
 from hora.runner.hosts import Slot
 
@@ -153,12 +154,12 @@ def start(
     port, sealed = group.call_one(
         0, _worker.host_rendezvous, token, address, keys, options.timeout_s
     )
-    common = {k: v for k, v in options.env.items() if k != "HORA_SECRET_KEY"}
+    common = {k: v for k, v in options.env.items() if k != table.SECRET_KEY.env}
     common.update(
         {
-            "HORA_RENDEZVOUS_ADDR": address,
-            "HORA_RENDEZVOUS_PORT": str(port),
-            "HORA_START_TIMEOUT": f"{options.timeout_s:g}",
+            table.RENDEZVOUS_ADDR.env: address,
+            table.RENDEZVOUS_PORT.env: str(port),
+            table.START_TIMEOUT.env: f"{options.timeout_s:g}",
         }
     )
     group.call_each(
@@ -179,12 +180,12 @@ def stop(group: Group, rendezvous: Rendezvous | None, timeout_s: float) -> None:
     """
     try:
         group.call_all(_worker.shutdown_hora, timeout_s=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - a crashed worker is why the group is stopping
+    except Exception as exc:  # a crashed worker is why the group is stopping
         logger.debug("hvd.shutdown() did not finish on every Ray worker: %s", exc)
     if rendezvous is not None:
         try:
             group.call_one(0, _worker.close_rendezvous, rendezvous.token, timeout_s=timeout_s)
-        except Exception as exc:  # noqa: BLE001 - rank 0's worker may be gone with its store
+        except Exception as exc:  # rank 0's worker may be gone with its store
             logger.debug("could not close the store on rank 0's worker: %s", exc)
 
 
@@ -201,13 +202,13 @@ def settings_env(
     """``HORA_*`` variables for the engine settings that are set (``None`` keeps the default)."""
     env: dict[str, str] = {}
     if fusion_threshold is not None:
-        env["HORA_FUSION_THRESHOLD"] = str(int(fusion_threshold))
+        env[table.FUSION_THRESHOLD.env] = str(int(fusion_threshold))
     if cycle_time_ms is not None:
-        env["HORA_CYCLE_TIME"] = f"{float(cycle_time_ms):g}"
+        env[table.CYCLE_TIME.env] = f"{float(cycle_time_ms):g}"
     if timeline_filename:
-        env["HORA_TIMELINE"] = str(timeline_filename)
+        env[table.TIMELINE.env] = str(timeline_filename)
     if stall_check_time_s is not None:
-        env["HORA_STALL_CHECK_TIME_SECONDS"] = f"{float(stall_check_time_s):g}"
+        env[table.STALL_CHECK_TIME_SECONDS.env] = f"{float(stall_check_time_s):g}"
     if nics:
         names = [nics] if isinstance(nics, str) else sorted(nics)
         if len(names) != 1:
@@ -215,9 +216,9 @@ def settings_env(
                 f"nics={nics!r}: hora's Gloo transport uses one network interface; name one "
                 "(the one every node reaches the others through)."
             )
-        env["HORA_GLOO_IFACE"] = names[0]
+        env[table.GLOO_IFACE.env] = names[0]
     if log_level:
-        env["HORA_LOG_LEVEL"] = str(log_level).upper()
+        env[table.LOG_LEVEL.env] = str(log_level).upper()
     for key, value in (extra or {}).items():
         env[str(key)] = str(value)
     return env

@@ -20,16 +20,19 @@ import socket
 import threading
 from typing import Any
 
+from hora.common import settings_table as table
+
 # Variables an outer launcher may have left in the Ray worker's environment (Ray workers inherit
 # the environment of the process that started Ray) that would make hvd.init() take the wrong
 # path. The topology variables themselves are always overwritten.
 STALE_VARS = (
-    "HORA_ELASTIC",
-    "HORA_ELASTIC_ID",
-    "HORA_LAUNCHER",
-    "HOROVOD_GLOO_RENDEZVOUS_ADDR",
-    "HOROVOD_GLOO_RENDEZVOUS_PORT",
-    "HOROVOD_SECRET_KEY",
+    table.ELASTIC.env,
+    table.ELASTIC_ID.env,
+    table.LAUNCHER.env,
+    *table.GLOO_RENDEZVOUS_ADDR.environ_names,
+    *table.GLOO_RENDEZVOUS_PORT.environ_names,
+    # Horovod's name for the secret, which hora does not read: gone all the same.
+    "HOROVOD_" + table.SECRET_KEY.name,
 )
 
 _lock = threading.Lock()
@@ -114,7 +117,7 @@ def describe() -> dict[str, Any]:
     context = ray.get_runtime_context()
     try:
         gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-    except Exception:  # noqa: BLE001 - no GPU support compiled in, or not in a worker
+    except Exception:  # no GPU support compiled in, or not in a worker
         gpu_ids = []
     return {
         "node_id": context.get_node_id(),
@@ -167,7 +170,7 @@ def set_env(env: dict[str, str], unset: tuple[str, ...] = STALE_VARS, sealed: st
     for name in unset:
         os.environ.pop(name, None)
     if sealed:
-        os.environ["HORA_SECRET_KEY"] = unseal(sealed)
+        os.environ[table.SECRET_KEY.env] = unseal(sealed)
     os.environ.update({k: str(v) for k, v in env.items()})
 
 
@@ -175,14 +178,12 @@ def shutdown_hora() -> bool:
     """``hvd.shutdown()`` here, if hora runs; whether it did."""
     import sys
 
-    if "hora.common.basics" not in sys.modules:
+    if "hora.common.lifecycle" not in sys.modules:
         return False  # the train function never imported hora
-    from hora.common import basics
+    from hora.common import lifecycle
+    from hora.common.basics import is_initialized
 
-    if not basics.is_initialized():
+    if not is_initialized():
         return False
-    if "hora.torch" in sys.modules:
-        sys.modules["hora.torch"].shutdown()
-    else:
-        basics.shutdown()
+    lifecycle.shutdown()
     return True

@@ -466,12 +466,12 @@ class RayExecutor:
         for worker in workers:
             try:
                 ray.kill(worker)
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
         if self._created_placement_group and self._placement_group is not None:
             try:
                 remove_placement_group(self._placement_group)
-            except Exception:  # noqa: BLE001 - already removed
+            except Exception:  # already removed
                 pass
         self._placement_group, self._created_placement_group = None, False
 

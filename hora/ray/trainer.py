@@ -165,7 +165,7 @@ class _TrainWorkerGroup(_setup.Group):
             return None
         try:
             contexts = [worker.distributed_context for worker in get_workers()]
-        except Exception:  # noqa: BLE001 - a worker group without V2's contexts
+        except Exception:  # a worker group without V2's contexts
             return None
         if any(context is None for context in contexts):
             return None

@@ -22,41 +22,40 @@ from typing import Any
 
 from hora.common import metrics
 from hora.common.basics import (
-    ccl_built,
     cross_rank,
     cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
     gloo_enabled,
     is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
     mpi_enabled,
     mpi_threads_supported,
-    nccl_built,
     rank,
-    rocm_built,
     size,
-    start_timeline,
-    stop_timeline,
 )
-from hora.common.basics import register_process_set as add_process_set
-from hora.common.basics import unregister_process_set as remove_process_set
+from hora.common.build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    mpi_built,
+    nccl_built,
+    rocm_built,
+)
+from hora.common.collectives import Adasum, Average, Max, Min, Product, Sum
 from hora.common.errors import (
     HoraInternalError,
     HoraValueError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
 )
+from hora.common.lifecycle import init, shutdown
 from hora.common.process_sets import ProcessSet
-from hora.tensorflow._bridge import (
-    HoraTensorFlowError,
-    HoraTensorFlowValueError,
-    restart_graph_names,
-)
+from hora.common.registration import register_process_set as add_process_set
+from hora.common.registration import unregister_process_set as remove_process_set
+from hora.common.timeline_control import start_timeline, stop_timeline
+from hora.tensorflow._bridge import HoraTensorFlowError, HoraTensorFlowValueError
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.functions import (
     allgather_object,
@@ -65,7 +64,7 @@ from hora.tensorflow.functions import (
     broadcast_variables,
 )
 from hora.tensorflow.gradients import GradientReducer, distributed_tape
-from hora.tensorflow.mpi_ops import (
+from hora.tensorflow.ops import (
     allgather,
     allreduce,
     alltoall,
@@ -84,9 +83,6 @@ from hora.tensorflow.mpi_ops import (
     reducescatter,
     size_op,
 )
-from hora.torch import init as _torch_init
-from hora.torch import shutdown as _torch_shutdown
-from hora.torch.ops import Adasum, Average, Max, Min, Product, Sum
 
 _TF1 = (
     "hora.tensorflow runs TensorFlow 2 (eager and tf.function); TensorFlow 1 graphs, sessions "
@@ -94,18 +90,7 @@ _TF1 = (
 )
 
 
-def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
-    """Start hora in this process (see :func:`hora.common.basics.init`)."""
-    restart_graph_names()
-    _torch_init(comm=comm, process_sets=process_sets)
-
-
-def shutdown() -> None:
-    """Stop hora in this process; pending operations fail. ``init`` may be called again."""
-    _torch_shutdown()
-
-
-def DistributedGradientTape(  # noqa: N802 - Horovod's name
+def DistributedGradientTape(  # Horovod's name
     gradtape: Any,
     device_dense: str = "",
     device_sparse: str = "",
@@ -152,7 +137,7 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     return distributed_tape(gradtape, reducer)
 
 
-def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
+def PartialDistributedGradientTape(  # Horovod's name
     gradtape: Any,
     device_dense: str = "",
     device_sparse: str = "",
@@ -194,7 +179,7 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
     """A Keras optimizer that averages gradients (see
     :func:`hora.tensorflow.keras.DistributedOptimizer`); ``tf.compat.v1`` optimizers are not
     supported."""
@@ -217,7 +202,7 @@ def broadcast_global_variables(root_rank: int) -> None:
     )
 
 
-def BroadcastGlobalVariablesHook(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
+def BroadcastGlobalVariablesHook(*args: Any, **kwargs: Any) -> Any:
     """Not in TensorFlow 2: sessions and hooks are TensorFlow 1 only."""
     raise NotImplementedError(
         _TF1 + "Use hvd.broadcast_variables after building the model, or, with Keras, "

@@ -13,15 +13,26 @@ with an error that says so.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import tensorflow as tf
+# The first import of TensorFlow in hora.tensorflow (and so hora.keras): where it is missing,
+# one line that says what to install.
+try:
+    import tensorflow as tf
+except ModuleNotFoundError as exc:
+    if exc.name != "tensorflow":
+        raise  # TensorFlow is there but does not import: its own traceback says why
+    raise ModuleNotFoundError(
+        "hora.tensorflow and hora.keras need TensorFlow 2.16 or later, which is not installed: "
+        "pip install 'hora[tensorflow]' (or pip install tensorflow-cpu).",
+        name="tensorflow",
+    ) from None
 import torch
 from torch.utils import dlpack as _torch_dlpack
 
 from hora.common.errors import HoraInternalError, HoraValueError
+from hora.common.runtime import session
 
 # torch's stubs do not export to_dlpack.
 torch_dlpack: Any = _torch_dlpack
@@ -58,8 +69,6 @@ class HoraTensorFlowValueError(tf.errors.InvalidArgumentError, HoraValueError): 
 
 # Types the engine does not carry, and the same-width type their bits travel as.
 _BITS_AS = {tf.uint16: tf.int16, tf.uint32: tf.int32, tf.uint64: tf.int64}
-# Graph-mode names of unnamed collectives, counted while tracing (see graph_name).
-_traced: dict[str, itertools.count[int]] = {}
 
 
 def graph_name(name: str | None, kind: str) -> str | None:
@@ -71,14 +80,9 @@ def graph_name(name: str | None, kind: str) -> str | None:
     and across steps.
     """
     if name is not None or tf.executing_eagerly():
+        # The engine puts the kind in front: "allreduce.graph.1".
         return name
-    counter = _traced.setdefault(kind, itertools.count(1))
-    return f"graph.{next(counter)}"  # the engine puts the kind in front: "allreduce.graph.1"
-
-
-def restart_graph_names() -> None:
-    """Number traced collectives from 1 again (at ``hvd.init()``)."""
-    _traced.clear()
+    return f"graph.{session().traced_call_number(kind)}"
 
 
 def as_wire(tensor: tf.Tensor) -> tf.Tensor:

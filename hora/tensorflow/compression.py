@@ -1,4 +1,5 @@
-"""Gradient compression for TensorFlow tensors: a smaller type on the wire, the original after."""
+"""Gradient compression for TensorFlow tensors: :mod:`hora.common.compression`'s policy with
+TensorFlow's casts (``Compression.none``, ``.fp16``, ``.bf16``)."""
 
 from __future__ import annotations
 
@@ -6,56 +7,37 @@ from typing import Any
 
 import tensorflow as tf
 
+from hora.common.compression import CastCompressor, Compressor, NoneCompressor
 
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
+class _TensorFlowCasts:
+    def dtype(self, tensor: Any) -> Any:
+        return tensor.dtype
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
+    def is_floating(self, dtype: Any) -> bool:
+        return bool(dtype.is_floating)
 
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
+    def wire_dtype(self, name: str) -> Any:
+        return getattr(tf, name)
 
-
-class _CastCompressor(Compressor):
-    wire_dtype: tf.DType = tf.float16
-
-    @classmethod
-    def compress(cls, tensor: Any) -> tuple[Any, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != cls.wire_dtype:
-            return tf.cast(tensor, cls.wire_dtype), dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor if ctx is None else tf.cast(tensor, ctx)
+    def cast(self, tensor: Any, dtype: Any) -> Any:
+        return tf.cast(tensor, dtype)
 
 
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(CastCompressor):
     """Floating-point tensors travel as float16."""
 
-    wire_dtype = tf.float16
+    wire = "float16"
+    casts = _TensorFlowCasts()
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(CastCompressor):
     """Floating-point tensors travel as bfloat16 (float32's range, less precision)."""
 
-    wire_dtype = tf.bfloat16
+    wire = "bfloat16"
+    casts = _TensorFlowCasts()
 
 
 class Compression:

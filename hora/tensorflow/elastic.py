@@ -1,7 +1,7 @@
 """Elastic training for TensorFlow: ``hvd.elastic.run`` with ``TensorFlowKerasState`` or
 ``TensorFlowState``.
 
-The protocol is PyTorch's (:mod:`hora.torch.elastic`): ``commit()`` saves, a failed collective
+The protocol is :mod:`hora.common.elastic`'s, as in PyTorch: ``commit()`` saves, a failed collective
 rolls back to the last commit, and every reset starts with a ``sync()`` from rank 0. The states
 here keep TensorFlow variables (a Keras model's and its optimizer's, or a list) besides plain
 values; a commit copies them all before replacing the previous one, and with ``commit_dir`` it is
@@ -23,10 +23,10 @@ import tensorflow as tf
 import torch
 
 from hora.common import basics
+from hora.common.elastic import loop as _loop
+from hora.common.elastic.state import Commit, ObjectState
 from hora.common.errors import HoraInternalError, HostsUpdatedInterrupt
-from hora.tensorflow import mpi_ops
-from hora.torch.elastic import loop as _loop
-from hora.torch.elastic.state import ObjectState, _Commit
+from hora.tensorflow import ops
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,7 +49,7 @@ def _engine_failed() -> bool:
 
 def run(func: F) -> F:
     """Decorator: run ``func(state, ...)`` until it returns, surviving resets (see
-    :func:`hora.torch.elastic.run`); also inside ``tf.function`` steps."""
+    :func:`hora.common.elastic.loop.run`); also inside ``tf.function`` steps."""
 
     @functools.wraps(func)
     def translated(state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -80,12 +80,12 @@ class _VariablesState(ObjectState):
     def _capture(self) -> list[np.ndarray[Any, Any]]:
         return [np.array(v.numpy(), copy=True) for v in self._variables()]
 
-    def _build_commit(self) -> _Commit:
+    def _build_commit(self) -> Commit:
         commit = super()._build_commit()
         commit.handlers[self._NAME] = [torch.from_numpy(a) for a in self._capture()]
         return commit
 
-    def _install(self, commit: _Commit) -> None:
+    def _install(self, commit: Commit) -> None:
         snapshot = commit.handlers.get(self._NAME)
         super()._install(commit)
         if snapshot is not None:
@@ -118,7 +118,7 @@ class _VariablesState(ObjectState):
         self._sync_commit_dir()
         variables = self._variables()
         if variables and basics.size() > 1:
-            mpi_ops.broadcast_(variables, 0, name="hora.elastic.tf_variables")
+            ops.broadcast_(variables, 0, name="hora.elastic.tf_variables")
         self._sync_values()
         self._synced_once = True
         # What every rank holds now is the commit to roll back to.

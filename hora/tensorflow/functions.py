@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hora.common.objects import allgather_object, broadcast_object
 from hora.common.process_sets import ProcessSet
-from hora.tensorflow import mpi_ops
-from hora.torch.functions import allgather_object, broadcast_object
+from hora.tensorflow import ops
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_object_fn", "broadcast_variables"]
 
@@ -15,7 +15,7 @@ __all__ = ["allgather_object", "broadcast_object", "broadcast_object_fn", "broad
 def broadcast_variables(
     variables: Sequence[Any],
     root_rank: int,
-    process_set: ProcessSet = mpi_ops.global_process_set,
+    process_set: ProcessSet = ops.global_process_set,
     inplace: bool = True,
 ) -> list[Any]:
     """Give every variable ``root_rank``'s value (one negotiated batch); returns the values.
@@ -27,7 +27,7 @@ def broadcast_variables(
         >>> hvd.broadcast_variables(model.variables, root_rank=0)
     """
     del inplace
-    return mpi_ops.broadcast_(
+    return ops.broadcast_(
         list(variables), root_rank, name="hora.broadcast_variables", process_set=process_set
     )
 
@@ -36,7 +36,7 @@ def broadcast_object_fn(
     root_rank: int = 0,
     session: Any = None,
     name: str | None = None,
-    process_set: ProcessSet = mpi_ops.global_process_set,
+    process_set: ProcessSet = ops.global_process_set,
 ) -> Callable[[Any], Any]:
     """A function that broadcasts an object from ``root_rank`` (TensorFlow 1 sessions are not
     supported: ``session`` must be ``None``)."""

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from hora.common import basics
 from hora.common.process_sets import ProcessSet
-from hora.tensorflow import mpi_ops
+from hora.tensorflow import ops
 from hora.tensorflow.compression import Compression
 
 
@@ -48,17 +48,17 @@ class GradientReducer:
 
     compression: Any = Compression.none
     sparse_as_dense: bool = False
-    op: Any = mpi_ops.Average
+    op: Any = ops.Average
     gradient_predivide_factor: float = 1.0
     num_groups: int = 0
     groups: Sequence[Sequence[Any]] | None = None
-    process_set: ProcessSet = mpi_ops.global_process_set
+    process_set: ProcessSet = ops.global_process_set
     local_variables: set[int] = field(default_factory=set)
     scale_local_gradients: bool = True
     prefix: str = "hora.grads"
 
     def __post_init__(self) -> None:
-        if self.gradient_predivide_factor != 1.0 and self.op != mpi_ops.Average:
+        if self.gradient_predivide_factor != 1.0 and self.op != ops.Average:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average.")
         if self.num_groups < 0:
             raise ValueError(f"num_groups must be 0 or more, got {self.num_groups}.")
@@ -89,9 +89,9 @@ class GradientReducer:
         """The averaged gradients, in order (``None`` stays ``None``)."""
         grads = list(grads)
         out: list[Any] = list(grads)
-        if basics.size() == 1 and self.process_set is mpi_ops.global_process_set:
+        if basics.size() == 1 and self.process_set is ops.global_process_set:
             return out
-        if self.process_set is not mpi_ops.global_process_set and not self.process_set.included():
+        if self.process_set is not ops.global_process_set and not self.process_set.included():
             return out  # a rank outside the process set keeps its own gradients
         shared: list[int] = []
         for i, (grad, var) in enumerate(zip(grads, variables)):
@@ -108,7 +108,7 @@ class GradientReducer:
         digest = hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
         pre, post = self._scales()
         for g, part in enumerate(self._partition(shared, variables)):
-            reduced = mpi_ops.grouped_allreduce(
+            reduced = ops.grouped_allreduce(
                 [out[i] for i in part],
                 compression=self.compression,
                 op=self.op,

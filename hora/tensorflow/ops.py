@@ -1,7 +1,7 @@
 """Horovod's collective operations on TensorFlow tensors, eager and inside ``tf.function``.
 
-Each collective hands torch views of its inputs to the engine through :mod:`hora.torch.ops`'
-``*_async`` functions (the same submission layer, names and process sets as PyTorch users get)
+Each collective hands torch views of its inputs to the engine through
+:mod:`hora.common.collectives` (the same checks, names and process sets as PyTorch users get)
 and returns TensorFlow tensors (:mod:`hora.tensorflow._bridge`). The differentiable ones carry
 their gradient with ``tf.custom_gradient``:
 
@@ -20,19 +20,15 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-from hora.common import basics
+from hora.common import basics, collectives
+from hora.common.collectives import Adasum as Adasum
+from hora.common.collectives import Average as Average
+from hora.common.collectives import Sum as Sum
 from hora.common.errors import HoraValueError
 from hora.common.message import RequestType
 from hora.common.process_sets import ProcessSet
+from hora.common.process_sets import global_process_set as global_process_set
 from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, run_python
-from hora.torch import ops as torch_ops
-
-# The reduction ops and the global process set are hora.torch's own objects (one per process),
-# re-exported for the modules of hora.tensorflow.
-from hora.torch.ops import Adasum as Adasum
-from hora.torch.ops import Average as Average
-from hora.torch.ops import Sum as Sum
-from hora.torch.ops import global_process_set as global_process_set
 
 # Unsigned types the engine does not reduce; they are reduced as int64.
 _WIDENED = (tf.uint16, tf.uint32)
@@ -86,15 +82,11 @@ def _reduce(
     tensors = [tf.cast(t, tf.int64) if t.dtype in _WIDENED else t for t in tensors]
 
     def reduce(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if grouped:
-            handle = torch_ops.grouped_allreduce_async(
-                inputs, None, name, op, prescale_factor, postscale_factor, process_set
-            )
-            return list(torch_ops.synchronize(handle))
-        handle = torch_ops.allreduce_async(
-            inputs[0], None, name, op, prescale_factor, postscale_factor, process_set
+        scales = (prescale_factor, postscale_factor)
+        handle = collectives.allreduce_async(
+            inputs, False, name, op, None, *scales, process_set, grouped
         )
-        return [torch_ops.synchronize(handle)]
+        return collectives.results(handle, grouped)
 
     outputs = run(
         reduce, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], "allreduce"
@@ -268,11 +260,8 @@ def _gather(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet,
     tensors = [as_wire(t) for t in tensors]
 
     def gather(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if grouped:
-            return list(
-                torch_ops.synchronize(torch_ops.grouped_allgather_async(inputs, name, process_set))
-            )
-        return [torch_ops.synchronize(torch_ops.allgather_async(inputs[0], name, process_set))]
+        handle = collectives.allgather_async(inputs, name, process_set, grouped)
+        return collectives.results(handle, grouped)
 
     shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
     outputs = run(gather, tensors, [t.dtype for t in tensors], shapes, "allgather")
@@ -331,8 +320,8 @@ def _send(tensor: tf.Tensor, root_rank: int, name: str | None, process_set: Proc
     dtype, tensor = tensor.dtype, as_wire(tensor)
 
     def send(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        handle = torch_ops.broadcast_async(inputs[0], root_rank, name, process_set)
-        return [torch_ops.synchronize(handle)]
+        handle = collectives.broadcast_async(inputs[0], root_rank, name, process_set, False)
+        return [collectives.synchronize(handle)]
 
     return from_wire(run(send, [tensor], [tensor.dtype], [tensor.shape], "broadcast")[0], dtype)
 
@@ -378,12 +367,12 @@ def broadcast_(
 
     def send(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         handles = [
-            torch_ops.broadcast_async(
-                x, int(root_rank), None if name is None else f"{name}.{i}", process_set
+            collectives.broadcast_async(
+                x, int(root_rank), None if name is None else f"{name}.{i}", process_set, False
             )
             for i, x in enumerate(inputs)
         ]
-        return [torch_ops.synchronize(h) for h in handles]
+        return [collectives.synchronize(h) for h in handles]
 
     values = [as_wire(tf.convert_to_tensor(v)) for v in variables]
     received = run(send, values, [v.dtype for v in values], [v.shape for v in values], "broadcast")
@@ -404,8 +393,8 @@ def _exchange(
 
     def exchange(values: list[torch.Tensor]) -> list[torch.Tensor]:
         given = None if splits is None else values[1].to(torch.int64).tolist()
-        handle = torch_ops.alltoall_async(values[0], given, name, process_set)
-        output, received = torch_ops.synchronize(handle)
+        handle = collectives.alltoall_async(values[0], given, name, process_set)
+        output, received = collectives.synchronize(handle)
         return [output, received.to(torch.int32)]
 
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
@@ -457,15 +446,10 @@ def _scatter(
     name = graph_name(name, "grouped_reducescatter" if grouped else "reducescatter")
 
     def scatter(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if grouped:
-            handle = torch_ops.grouped_reducescatter_async(
-                inputs, name, op, process_set, prescale_factor, postscale_factor
-            )
-            return list(torch_ops.synchronize(handle))
-        handle = torch_ops.reducescatter_async(
-            inputs[0], name, op, process_set, prescale_factor, postscale_factor
+        handle = collectives.reducescatter_async(
+            inputs, name, op, process_set, prescale_factor, postscale_factor, grouped
         )
-        return [torch_ops.synchronize(handle)]
+        return collectives.results(handle, grouped)
 
     shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
     return run(scatter, tensors, [t.dtype for t in tensors], shapes, "reducescatter")
@@ -566,17 +550,17 @@ def join() -> tf.Tensor:
 
     Returns the last rank to join (an int32 scalar tensor, the same on every rank).
     """
-    return run_python(torch_ops.join, tf.int32, "join")
+    return run_python(collectives.join, tf.int32, "join")
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has called ``barrier``."""
     if tf.executing_eagerly():
-        torch_ops.barrier(process_set)
+        collectives.barrier(process_set)
         return
 
     def wait() -> int:
-        torch_ops.barrier(process_set)
+        collectives.barrier(process_set)
         return 0
 
     run_python(wait, tf.int32, "barrier")

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from hora.common import basics
 from hora.common.process_sets import ProcessSet
-from hora.tensorflow import mpi_ops
+from hora.tensorflow import ops
 
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
 
@@ -40,7 +40,7 @@ def _synced_moments(
     packed = tf.concat(
         [tf.reshape(total, [-1]), tf.reshape(squares, [-1]), tf.reshape(count, [-1])], 0
     )
-    summed = mpi_ops.allreduce(packed, op=mpi_ops.Sum, name=name, process_set=process_set)
+    summed = ops.allreduce(packed, op=ops.Sum, name=name, process_set=process_set)
     total, squares, count = tf.split(summed, 3)
     count = tf.maximum(count, tf.cast(1e-12, values.dtype))
     mean = total / count
@@ -63,7 +63,7 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):  # type: ignor
         ...                              hvd.SyncBatchNormalization(), tf.keras.layers.ReLU()])
     """
 
-    def __init__(self, process_set: ProcessSet = mpi_ops.global_process_set, **kwargs: Any):
+    def __init__(self, process_set: ProcessSet = ops.global_process_set, **kwargs: Any):
         kwargs.pop("fused", None)
         if "fused" in inspect.signature(tf.keras.layers.BatchNormalization.__init__).parameters:
             kwargs["fused"] = False  # tf_keras: its fused kernel computes local statistics
@@ -72,7 +72,7 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):  # type: ignor
 
     def _hora_synced(self) -> bool:
         process_set = self._hora_process_set
-        if process_set is mpi_ops.global_process_set:
+        if process_set is ops.global_process_set:
             return bool(basics.is_initialized() and basics.size() > 1)
         return process_set.size() > 1
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hora.common import safe_files
+from hora.common.settings_table import TIMELINE
 from hora.tools import timeline
 from hora.tools.arguments import not_negative, positive
 from hora.tools.scaling_table import (
@@ -141,10 +142,10 @@ class Job:
     def environment(self, settings: StudySettings) -> dict[str, str]:
         """This environment, with the job's timeline (or none) and this hora importable."""
         env = dict(os.environ)
-        for name in ("HORA_TIMELINE", "HOROVOD_TIMELINE"):
+        for name in TIMELINE.environ_names:
             env.pop(name, None)
         if settings.timeline:
-            env["HORA_TIMELINE"] = str(self.timeline_path.resolve())
+            env[TIMELINE.env] = str(self.timeline_path.resolve())
         # The workers import the hora that runs this study, even from a checkout that is not
         # installed (python -m puts only the working folder on sys.path).
         package_root = Path(__file__).resolve().parents[2]
@@ -275,7 +276,7 @@ def communication_share(timeline_path: Path) -> tuple[float | None, str | None]:
         )
     try:
         summary = timeline.summarize(timeline.load(timeline_path))
-    except Exception as exc:  # noqa: BLE001 - the table is still worth having without it
+    except Exception as exc:  # the table is still worth having without it
         return None, f"{timeline_path} cannot be summarized ({type(exc).__name__}: {exc})"
     if summary.comm_share is None:
         # The summarizer's warning, less what it says about its own report.

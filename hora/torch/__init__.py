@@ -6,47 +6,43 @@ Example:
     >>> x = hvd.allreduce(torch.ones(3) * hvd.rank(), op=hvd.Sum)
 """
 
-from typing import Any
-
 from hora.common import metrics
 from hora.common.basics import (
-    ccl_built,
     cross_rank,
     cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
     gloo_enabled,
     is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
     mpi_enabled,
     mpi_threads_supported,
-    nccl_built,
     rank,
-    rocm_built,
     size,
-    start_timeline,
-    stop_timeline,
 )
-from hora.common.basics import init as _init
-from hora.common.basics import register_process_set as add_process_set
-from hora.common.basics import shutdown as _shutdown
-from hora.common.basics import unregister_process_set as remove_process_set
-from hora.common.engine import Handle as _Handle
+from hora.common.build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    mpi_built,
+    nccl_built,
+    rocm_built,
+)
 from hora.common.errors import (
     HoraInternalError,
     HoraValueError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
 )
+from hora.common.lifecycle import init, shutdown
 from hora.common.process_sets import ProcessSet
+from hora.common.registration import register_process_set as add_process_set
+from hora.common.registration import unregister_process_set as remove_process_set
+from hora.common.timeline_control import start_timeline, stop_timeline
 from hora.torch import elastic
 from hora.torch.compression import Compression
 from hora.torch.functions import (
-    _restart_default_names,
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
@@ -59,7 +55,6 @@ from hora.torch.ops import (
     Min,
     Product,
     Sum,
-    _clear_handles,
     allgather,
     allgather_async,
     allreduce,
@@ -91,25 +86,6 @@ from hora.torch.ops import (
 )
 from hora.torch.optimizer import DistributedOptimizer
 from hora.torch.sync_batch_norm import SyncBatchNorm
-
-
-def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
-    """Start hora in this process. See :func:`hora.common.basics.init`."""
-    _clear_handles()
-    # Unnamed collectives are named by counting calls; every process of the (re)started job,
-    # old workers and new ones after an elastic reset alike, counts from the start.
-    _Handle.restart_numbering()
-    _restart_default_names()
-    _init(comm=comm, process_sets=process_sets)
-
-
-def shutdown() -> None:
-    """Stop hora in this process; pending operations fail. ``init`` may be called again."""
-    _shutdown()
-    _clear_handles()
-
-
-init.__doc__ = _init.__doc__
 
 __all__ = [
     "DistributedOptimizer",

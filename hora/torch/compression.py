@@ -1,4 +1,5 @@
-"""Gradient compression: cast tensors to a smaller type for the wire and back afterwards."""
+"""Gradient compression for PyTorch tensors: :mod:`hora.common.compression`'s policy with
+PyTorch's casts (``Compression.none``, ``.fp16``, ``.bf16``)."""
 
 from __future__ import annotations
 
@@ -6,55 +7,37 @@ from typing import Any
 
 import torch
 
+from hora.common.compression import CastCompressor, Compressor, NoneCompressor
 
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        raise NotImplementedError
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
+class _TorchCasts:
+    def dtype(self, tensor: Any) -> Any:
+        return tensor.dtype
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor, None
+    def is_floating(self, dtype: Any) -> bool:
+        return bool(dtype.is_floating_point)
 
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
+    def wire_dtype(self, name: str) -> Any:
+        return getattr(torch, name)
 
-
-class _CastCompressor(Compressor):
-    wire_dtype: torch.dtype = torch.float16
-
-    @classmethod
-    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if tensor.dtype.is_floating_point and tensor.dtype != cls.wire_dtype:
-            return tensor.to(cls.wire_dtype), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor if ctx is None else tensor.to(ctx)
+    def cast(self, tensor: Any, dtype: Any) -> Any:
+        return tensor.to(dtype)
 
 
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(CastCompressor):
     """Floating-point tensors travel as float16."""
 
-    wire_dtype = torch.float16
+    wire = "float16"
+    casts = _TorchCasts()
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(CastCompressor):
     """Floating-point tensors travel as bfloat16 (float32's range, less precision)."""
 
-    wire_dtype = torch.bfloat16
+    wire = "bfloat16"
+    casts = _TorchCasts()
 
 
 class Compression:

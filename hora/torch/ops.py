@@ -1,10 +1,9 @@
 """Horovod's collective operations on PyTorch tensors.
 
-Each collective is written once as an ``*_async`` function that hands tensors to the
-framework-neutral submission layer (:mod:`hora.common.submission`: checks, names, requests,
-handles) and returns an integer handle; the synchronous, in-place and differentiable forms are
-thin wrappers around it. This module knows PyTorch's tensors, autograd and compression; the
-rest is the engine's.
+Each collective is written once, framework-neutral, in :mod:`hora.common.collectives` (an
+``*_async`` function: checks, names, requests, an integer handle); the public asynchronous,
+synchronous, in-place and differentiable forms here are thin wrappers around it. This module
+knows PyTorch's autograd and compression; the rest is the engine's.
 """
 
 from __future__ import annotations
@@ -14,35 +13,24 @@ from typing import Any, cast
 
 import torch
 
-from hora.common import basics, submission
+from hora.common import basics, collectives, submission
+from hora.common.collectives import Adasum as Adasum
+from hora.common.collectives import Average as Average
+from hora.common.collectives import Max as Max
+from hora.common.collectives import Min as Min
+from hora.common.collectives import Product as Product
+from hora.common.collectives import Sum as Sum
+from hora.common.collectives import join as _join
+from hora.common.collectives import poll as poll
+from hora.common.collectives import results as _results
+from hora.common.collectives import synchronize as synchronize
 from hora.common.errors import HoraValueError
 from hora.common.message import ReduceOp, RequestType
 from hora.common.process_sets import ProcessSet
+from hora.common.process_sets import global_process_set as global_process_set
 from hora.torch.compression import Compression
 
-global_process_set = basics.global_process_set
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
-
-poll = submission.poll
-_clear_handles = submission.clear_handles
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation behind ``handle`` and return its output.
-
-    Returns:
-        A tensor; a list for grouped ops; ``(output, received_splits)`` for alltoall.
-
-    Raises:
-        HoraInternalError: the operation failed (mismatch between ranks, lost peer, shutdown).
-    """
-    return submission.wait(handle)
+_allreduce = collectives.allreduce_async
 
 
 # ---------------------------------------------------------------- autograd
@@ -70,46 +58,11 @@ def _differentiable(forward: _Half, backward: _Half, tensors: Sequence[torch.Ten
     return _Differentiable.apply(forward, backward, *tensors)
 
 
-def _results(handle: int, grouped: bool) -> list[Any]:
-    """Wait for ``handle``; its results as a list, one per tensor of the call."""
-    result = synchronize(handle)
-    return list(result) if grouped else [result]
-
-
 def _contiguous(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
 
 # ---------------------------------------------------------------- allreduce
-
-
-def _allreduce(
-    tensors: Sequence[torch.Tensor],
-    in_place: bool,
-    name: str | None,
-    op: Any,
-    average: bool | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    grouped: bool,
-) -> int:
-    reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
-    tensors = list(tensors)
-    outputs = tensors if in_place else [torch.empty_like(t) for t in tensors]
-    return submission.register(
-        submission.submit_reduction(
-            RequestType.ALLREDUCE,
-            tensors,
-            outputs,
-            name,
-            reduce_op,
-            process_set,
-            prescale_factor,
-            postscale_factor,
-            grouped,
-        )
-    )
 
 
 def allreduce_async(
@@ -335,29 +288,10 @@ def sparse_allreduce_async(
 # ---------------------------------------------------------------- allgather
 
 
-def _check_not_scalar(tensors: Sequence[torch.Tensor]) -> None:
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
-            raise HoraValueError(
-                "Process-set rank zero tried to ALLGATHER a rank-zero tensor: allgather needs at "
-                "least one dimension (use tensor.reshape(1))."
-            )
-
-
 def _allgather(
     tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
 ) -> int:
-    _check_not_scalar(tensors)
-    return submission.register(
-        submission.submit(
-            RequestType.ALLGATHER,
-            tensors,
-            [None] * len(tensors),
-            name,
-            process_set,
-            grouped=grouped,
-        )
-    )
+    return collectives.allgather_async(tensors, name, process_set, grouped)
 
 
 def allgather_async(
@@ -377,18 +311,14 @@ def grouped_allgather_async(
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
-    sizes = synchronize(
-        allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=process_set)
-    )
-    offset = int(sizes[: submission.set_rank(process_set)].sum())
-    return grad.narrow(0, offset, rows)
+    return grad.narrow(0, collectives.own_rows_offset(rows, process_set), rows)
 
 
 def _differentiable_allgather(
     tensors: Sequence[torch.Tensor], grouped: bool, name: str | None, process_set: ProcessSet
 ) -> Any:
     """Allgather ``tensors``; each gradient is averaged and this rank's rows are its own."""
-    _check_not_scalar(tensors)
+    collectives.check_not_scalar(tensors)
     rows = [t.shape[0] for t in tensors]
 
     def gather(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -429,20 +359,6 @@ def grouped_allgather(
 # ---------------------------------------------------------------- broadcast
 
 
-def _broadcast(
-    tensor: torch.Tensor,
-    output: torch.Tensor,
-    root_rank: int,
-    name: str | None,
-    process_set: ProcessSet,
-) -> int:
-    return submission.register(
-        submission.submit(
-            RequestType.BROADCAST, [tensor], [output], name, process_set, root_rank=int(root_rank)
-        )
-    )
-
-
 def broadcast_async(
     tensor: torch.Tensor,
     root_rank: int,
@@ -450,7 +366,7 @@ def broadcast_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start copying ``root_rank``'s tensor to every rank (into a new tensor)."""
-    return _broadcast(tensor, torch.empty_like(tensor), root_rank, name, process_set)
+    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=False)
 
 
 def broadcast_async_(
@@ -460,7 +376,7 @@ def broadcast_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start broadcasting into ``tensor`` in place."""
-    return _broadcast(tensor, tensor, root_rank, name, process_set)
+    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=True)
 
 
 def broadcast(
@@ -503,34 +419,6 @@ def broadcast_(
 # ---------------------------------------------------------------- alltoall
 
 
-def _normalize_splits(tensor: torch.Tensor, splits: Any, set_size: int) -> tuple[int, ...] | None:
-    if splits is None:
-        if tensor.dim() == 0 or tensor.shape[0] % set_size != 0:
-            raise HoraValueError(
-                "splits not provided, but first dimension of tensor is not an even multiple of "
-                f"the number of workers ({set_size})."
-            )
-        return None
-    if isinstance(splits, torch.Tensor):
-        if splits.dim() != 1:
-            raise HoraValueError("alltoall expects a 1D splits tensor")
-        if splits.dtype not in (torch.int32, torch.int64):
-            raise HoraValueError("alltoall expects splits to contain 32-bit integer elements.")
-        values = tuple(int(v) for v in splits.cpu().tolist())
-    else:
-        values = tuple(int(v) for v in splits)
-    if len(values) != set_size:
-        raise HoraValueError(
-            f"Number of entries in splits ({len(values)}) does not equal number of workers "
-            f"({set_size})."
-        )
-    if any(v < 0 for v in values):
-        raise HoraValueError(f"alltoall splits must be >= 0, got {list(values)}.")
-    if tensor.dim() == 0 or sum(values) > tensor.shape[0]:
-        raise HoraValueError("Sum of splits entries is greater than the first dimension of tensor.")
-    return values
-
-
 def alltoall_async(
     tensor: torch.Tensor,
     splits: Any = None,
@@ -538,11 +426,7 @@ def alltoall_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start an alltoall; ``synchronize`` gives ``(output, received_splits)``."""
-    submission.check_process_set(process_set, RequestType.ALLTOALL)
-    values = _normalize_splits(tensor, splits, submission.set_size(process_set))
-    return submission.register(
-        submission.submit(RequestType.ALLTOALL, [tensor], [None], name, process_set, splits=values)
-    )
+    return collectives.alltoall_async(tensor, splits, name, process_set)
 
 
 def alltoall(
@@ -584,33 +468,7 @@ def alltoall(
 # ---------------------------------------------------------------- reducescatter
 
 
-def _reducescatter(
-    tensors: Sequence[torch.Tensor],
-    name: str | None,
-    op: Any,
-    process_set: ProcessSet,
-    prescale_factor: float,
-    postscale_factor: float,
-    grouped: bool,
-) -> int:
-    reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
-    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise HoraValueError("Reducescatter currently only supports AVERAGE and SUM.")
-    if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
-        raise HoraValueError("Reducescatter needs a tensor with at least one dimension.")
-    return submission.register(
-        submission.submit_reduction(
-            RequestType.REDUCESCATTER,
-            tensors,
-            [None] * len(tensors),
-            name,
-            reduce_op,
-            process_set,
-            prescale_factor,
-            postscale_factor,
-            grouped,
-        )
-    )
+_reducescatter = collectives.reducescatter_async
 
 
 def reducescatter_async(
@@ -649,7 +507,6 @@ def _differentiable_reducescatter(
     postscale: float,
 ) -> Any:
     """Reducescatter ``tensors``; each gradient is gathered back, scaled as the forward was."""
-    reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
 
     def scatter(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         handle = _reducescatter(inputs, name, op, process_set, prescale, postscale, grouped)
@@ -657,7 +514,7 @@ def _differentiable_reducescatter(
 
     def gather(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         size = submission.set_size(process_set)
-        factor = prescale * postscale * (size if reduce_op == ReduceOp.SUM else 1)
+        factor = collectives.reducescatter_gradient_factor(op, prescale, postscale, size)
         return [
             synchronize(allgather_async((g * factor).contiguous(), process_set=process_set))
             for g in grads
@@ -719,9 +576,9 @@ def join(device: int = -1) -> int:
     global rank that joined last (the same on every rank).
     """
     del device
-    return submission.join()
+    return _join()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has called ``barrier``."""
-    submission.barrier(process_set)
+    collectives.barrier(process_set)

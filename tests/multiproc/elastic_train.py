@@ -70,7 +70,7 @@ def _hold(why: str) -> None:
 
 def _hold_in_commit(number: int) -> None:
     """Make rank 0's ``number``-th durable write hold before its rename."""
-    from hora.torch.elastic import durable
+    from hora.common.elastic import durable
 
     publish = durable.CommitDirectory._publish
     writes = [0]

@@ -153,7 +153,7 @@ def error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
     """
     try:
         call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+    except Exception as exc:  # the test inspects what was raised
         return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
     return None
 

@@ -28,20 +28,20 @@ def main() -> int:
     fn, args = cloudpickle.loads(payload.read_bytes())
     try:
         outcome = ("ok", fn(*args))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test with the traceback
+    except BaseException as exc:  # reported to the test with the traceback
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         print(text, file=sys.stderr, end="", flush=True)
         outcome = ("error", f"{type(exc).__name__}: {exc}\n{text}")
     try:
         blob = cloudpickle.dumps(outcome)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         blob = cloudpickle.dumps(("error", f"the result could not be pickled: {exc}"))
     partial = folder / f"rank{_rank()}.tmp"
     partial.write_bytes(blob)
     partial.rename(folder / f"rank{_rank()}.pkl")
-    import hora.common.basics as basics
+    from hora.common.lifecycle import shutdown
 
-    basics.shutdown()
+    shutdown()
     return 0
 
 

@@ -276,7 +276,7 @@ def _data_path() -> str:
     """Whether the global set's CUDA tensors went over NCCL or through host memory."""
     from hora.common import basics
 
-    engine: Any = basics._state.engine
+    engine: Any = basics.engine()
     return "nccl" if engine._device_communicators else "host"
 
 

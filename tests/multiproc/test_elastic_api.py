@@ -260,16 +260,14 @@ def _simulated_elastic_worker() -> dict[str, Any]:
 
 def _simulated_training(interrupt: bool) -> dict[str, Any]:
     """Train 2 epochs; with ``interrupt``, one simulated failure and one host change."""
-    import itertools
     import os
 
     import torch
 
     import hora.torch as hvd
-    from hora.common.engine import Handle
+    from hora.common.elastic import loop as elastic_loop
+    from hora.common.elastic import state as elastic_state
     from hora.common.job import rounds as common_elastic
-    from hora.torch import functions
-    from hora.torch.elastic import state as elastic_state
 
     rank = hvd.rank()
     data = torch.linspace(-2.0, 2.0, SAMPLES * 4).reshape(SAMPLES, 4)
@@ -292,17 +290,14 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
             checks[0] += 1  # rank 0 only; notice 1 appears at its 7th check
             return (1, common_elastic.HOSTS_ADDED) if checks[0] >= 7 else (0, 0)
 
-        real_init = hvd.init
+        real_reset = elastic_loop._reset
 
-        def init() -> None:  # run()'s reset is hvd.shutdown(); hvd.init()
+        def reset() -> None:  # run()'s reset: hvd.shutdown(); hvd.init()
             events.append("reset")
-            if rank == 2 and events.count("reset") == 1:
-                # Rank 2 is replaced by a newcomer, whose counters for unnamed collectives
-                # start from scratch (a real newcomer is a new process).
-                Handle._ids = itertools.count(1)
-                functions._calls = itertools.count()
+            # A new session numbers unnamed collectives from scratch on every rank, as a
+            # newcomer (rank 2 below, the first time) does in a new process.
             del os.environ["HORA_ELASTIC"]  # re-form the static job in place
-            real_init()
+            real_reset()
             os.environ["HORA_ELASTIC"] = "1"
             # The next round accounts for the notices seen so far (the same on every rank).
             plan = common_elastic.progress.plan
@@ -321,7 +316,7 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
                 state.save()
 
         elastic_state._read_host_update = read_notice
-        hvd.init = init
+        elastic_loop._reset = reset
         common_elastic.request_reset = lambda: events.append("request_reset")
 
     failed = [False]
@@ -360,7 +355,7 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     os.environ.pop("HORA_ELASTIC", None)
     if interrupt:
-        hvd.init = real_init
+        elastic_loop._reset = real_reset
     return {"events": events, "weights": weights, "resets": hvd.elastic.reset_count()}
 
 

@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from tests.multihost.conftest import Cluster
-from tests.multihost.conftest import cluster as cluster  # noqa: F401 - the fixture, shared
+from tests.multihost.conftest import cluster as cluster  # the fixture, shared
 from tests.multiproc.test_launchers import base_env
 from tests.processes import job_processes, kill_all, survivors
 
@@ -330,7 +330,7 @@ def _ssh_link(job: Job, host: str) -> psutil.Process:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("phase", ["init", "mid"])
 def test_a_killed_ssh_link_ends_the_job_naming_the_remote_rank(
-    cluster: Cluster,  # noqa: F811 - the shared fixture
+    cluster: Cluster,  # the shared fixture
     start: Starter,
     phase: str,
 ) -> None:

@@ -120,7 +120,7 @@ def test_an_uncaught_exception_in_the_steady_state_is_named_to_the_others(tmp_pa
         try:
             for step in range(40):
                 if hvd.rank() == 1 and step == 12:
-                    entered = basics._state.engine.steady_stats["entered"]
+                    entered = basics.engine().steady_stats["entered"]
                     print(f"rank 1 in the steady state: {entered == 1}", file=sys.stderr)
                     raise ValueError(f"corrupt batch at step {step}")
                 handles = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hora.common.errors import HoraInternalError
-from hora.torch.optimizer import _HOLD_BELOW
+from hora.torch.averaging_optimizer import _HOLD_BELOW
 
 from .jobs import assert_raised, error_of, run_job
 
@@ -184,7 +184,7 @@ def _lending_worker() -> dict[str, Any]:
     from hora.common import basics
 
     hvd.init()
-    engine = basics._state.engine
+    engine = basics.engine()
     assert engine is not None
     out: dict[str, Any] = {}
     # 600 wide: one batch of large tensors (scaled one by one as they are staged) and one of
@@ -709,10 +709,10 @@ def _parts_worker() -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
-    import hora.torch.optimizer
+    import hora.torch.averaging_optimizer
 
     # This model's parts are far below the size worth splitting for speed; split them anyway.
-    hora.torch.optimizer._PART_MIN_ELEMENTS = 0
+    hora.torch.averaging_optimizer._PART_MIN_ELEMENTS = 0
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 

@@ -17,9 +17,10 @@ import torch
 
 import hora.torch as hvd
 from hora.common import errors
+from hora.common.elastic import loop as elastic_loop
+from hora.common.elastic import state as elastic_state
 from hora.common.job import rounds as common_elastic
-from hora.torch.elastic import loop as elastic_loop
-from hora.torch.elastic import state as elastic_state
+from hora.common.runtime import runtime
 
 ElasticSampler = hvd.elastic.ElasticSampler
 
@@ -487,7 +488,7 @@ def test_run_retries_a_reset_that_fails_and_lets_worker_removed_exit(
 def test_run_warns_about_collectives_before_the_first_elastic_function(
     job_of_one: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(elastic_loop, "_entered", False)
+    monkeypatch.setattr(runtime(), "elastic_entered", False)
     hvd.allreduce(torch.ones(1), name="too.early")
     monkeypatch.setattr(common_elastic, "active", lambda: True)
     hora_logger = logging.getLogger("hora")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hora.torch as hvd
-from hora.torch.elastic import durable
+from hora.common.elastic import durable
 
 ElasticSampler = hvd.elastic.ElasticSampler
 

@@ -13,7 +13,7 @@ import hora.torch as hvd
 from hora.common import basics, submission
 from hora.common.errors import HoraValueError
 from hora.common.message import ReduceOp, RequestType
-from hora.common.process_sets import ProcessSet
+from hora.common.process_sets import ProcessSet, global_process_set
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +49,7 @@ def test_names_fields_and_result_shapes(one_rank: None, monkeypatch: pytest.Monk
         [None],
         "w",
         ReduceOp.SUM,
-        basics.global_process_set,
+        global_process_set,
         2.0,
         0.5,
         grouped=False,
@@ -59,7 +59,7 @@ def test_names_fields_and_result_shapes(one_rank: None, monkeypatch: pytest.Monk
         [torch.ones(1, 2), torch.zeros(2, 2, dtype=torch.int32)],
         [None, None],
         None,
-        basics.global_process_set,
+        global_process_set,
         grouped=True,
     )
     assert [r.name for r in seen] == [
@@ -99,7 +99,7 @@ def test_post_turns_results_into_the_callers_result(one_rank: None) -> None:
         [torch.arange(3.0)],
         [None],
         "b",
-        basics.global_process_set,
+        global_process_set,
         root_rank=0,
     )
     total = submission.wait(submission.register(handle, post=lambda results: results[0].sum()))
@@ -118,7 +118,7 @@ def test_tensors_the_engine_cannot_take(
     one_rank: None, tensor: Any, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        submission.submit(RequestType.ALLREDUCE, [tensor], [None], "t", basics.global_process_set)
+        submission.submit(RequestType.ALLREDUCE, [tensor], [None], "t", global_process_set)
 
 
 def test_unregistered_process_set_is_named(one_rank: None) -> None:
@@ -151,7 +151,7 @@ def test_resolve_op(one_rank: None) -> None:
 
 
 def test_join_and_barrier_alone(one_rank: None) -> None:
-    submission.barrier(basics.global_process_set)
+    submission.barrier(global_process_set)
     assert submission.join() == 0
 
 
@@ -177,14 +177,25 @@ def test_a_repeated_grouped_call_reuses_its_requests_while_its_tensors_stay_alik
         hvd.grouped_allreduce_([torch.ones(3), [1.0]], name="same", op=hvd.Sum)  # type: ignore[list-item]
 
 
-def test_unnamed_calls_are_numbered_per_process_set_and_engine() -> None:
-    class Engine:
-        pass
+def test_unnamed_calls_are_numbered_per_process_set_and_session() -> None:
+    from hora.common.runtime import Session
 
-    calls = submission._UnnamedCalls()
-    first, second = Engine(), Engine()
-    assert [calls.number(first, 0) for _ in range(3)] == [1, 2, 3]
+    unused: Any = None
+    first, second = (Session(unused, unused, unused, generation) for generation in (0, 1))
+    assert [first.unnamed_call_number(0) for _ in range(3)] == [1, 2, 3]
     # A process set's calls do not move the global set's numbers, nor the other way round.
-    assert [calls.number(first, 5), calls.number(first, 5), calls.number(first, 0)] == [1, 2, 4]
-    # A new engine (init after shutdown, a new elastic round) starts again from 1.
-    assert [calls.number(second, 0), calls.number(second, 5)] == [1, 1]
+    assert [
+        first.unnamed_call_number(5),
+        first.unnamed_call_number(5),
+        first.unnamed_call_number(0),
+    ] == [1, 2, 4]
+    # A new session (init after shutdown, a new elastic round) starts again from 1.
+    assert [second.unnamed_call_number(0), second.unnamed_call_number(5)] == [1, 1]
+    # Through the API: a new session names its first unnamed call as the first one.
+    hvd.shutdown()
+    hvd.init()
+    seen: list[Any] = []
+    real_enqueue = basics.engine().enqueue
+    basics.engine().enqueue = lambda entries: (seen.extend(entries), real_enqueue(entries))  # type: ignore[method-assign]
+    hvd.allreduce(torch.ones(1))
+    assert seen[0].request.name == "allreduce.noname.1"

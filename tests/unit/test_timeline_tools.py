@@ -484,4 +484,5 @@ def test_plot_without_matplotlib_says_how_to_install_it(
     assert cli.main(["timeline", "plot", str(path), "-o", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err
     assert INSTALL_HINT in err and "pip install 'hora[plot]'" in err
+    assert err.strip().splitlines() == [f"hora timeline plot: {INSTALL_HINT}"]
     assert not (tmp_path / "x.png").exists()

@@ -206,7 +206,7 @@ class CommitDirectory:
                 # is the job's own.
                 logger.debug("hora elastic: %s needs full unpickling", self.file)
                 loaded = torch.load(self.file, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - any failure to load means the same to the user
+        except Exception as exc:  # any failure to load means the same to the user
             raise self._damaged(f"loading it failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(loaded, dict):
             raise self._damaged(f"it holds a {type(loaded).__name__}, not a hora commit")

@@ -25,18 +25,17 @@ from typing import Any, TypeVar
 from hora.common import basics
 from hora.common.errors import HoraInternalError, HostsUpdatedInterrupt
 from hora.common.job import rounds as _elastic
+from hora.common.lifecycle import init, shutdown
+from hora.common.runtime import runtime
 
 logger = logging.getLogger("hora")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_resets = 0
-_entered = False
-
 
 def reset_count() -> int:
     """How many times ``hvd.elastic.run`` has re-formed the job in this process."""
-    return _resets
+    return runtime().elastic_resets
 
 
 def round_number() -> int:
@@ -56,11 +55,9 @@ def round_number() -> int:
 
 def _reset() -> None:
     """Leave the current round and join the next one (``hvd.shutdown(); hvd.init()``)."""
-    import hora.torch as hvd
-
-    hvd.shutdown()
-    # hvd.init() restarts the numbering of unnamed collectives, as in the new workers.
-    hvd.init()
+    shutdown()
+    # A new session numbers unnamed collectives from the start, as the new workers do.
+    init()
 
 
 def _progress_of(state: Any) -> str:
@@ -128,24 +125,14 @@ def run(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _collectives_started() -> int:
-    """How many collectives this process has started (the handles numbered so far)."""
-    from hora.common.engine import Handle
-
-    text = repr(Handle._ids)  # "count(N)": N is the next handle's number
-    try:
-        return int(text[text.index("(") + 1 : text.index(")")]) - 1
-    except ValueError:
-        return 0
-
-
 def _check_no_early_collectives() -> None:
     """Warn when collectives ran before the first elastic function (Horovod's rule)."""
-    global _entered
-    if _entered:
+    state = runtime()
+    if state.elastic_entered:
         return
-    _entered = True
-    early = _collectives_started()
+    state.elastic_entered = True
+    current = state.session
+    early = current.engine.handles_made if current is not None else 0
     if early:
         logger.warning(
             "hora elastic: %d collective operation(s) ran before the first hvd.elastic.run "
@@ -157,7 +144,6 @@ def _check_no_early_collectives() -> None:
 
 
 def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) -> Any:
-    global _resets
     _check_no_early_collectives()
     must_reset = False
     cause = ""
@@ -169,7 +155,7 @@ def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) 
                 _reset()
                 joining = False
                 state.on_reset()
-                _resets += 1
+                runtime().elastic_resets += 1
                 must_reset = False
                 _log_reset(state, cause)
             state.sync()
@@ -199,7 +185,7 @@ def _log_reset(state: Any, cause: str) -> None:
         "rank %d: round %d: reset %d after %s%s",
         rank,
         round_number,
-        _resets,
+        runtime().elastic_resets,
         cause,
         _progress_of(state),
     )

@@ -27,14 +27,14 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hora.common.config import flag, lookup
+from hora.common import settings_table as table
+from hora.common.config import raw, read
 from hora.common.job import port_file, store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
 from hora.common.job.store import (
@@ -50,6 +50,7 @@ from hora.common.job.store import (
 )
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, TopologyError
+from hora.common.runtime import runtime
 
 logger = logging.getLogger("hora")
 
@@ -58,10 +59,7 @@ ROUND_POLL_S = 0.02
 # How long a process that hosts the store waits at exit for the other ranks to detach.
 LINGER_S = 10.0
 
-_lock = threading.Lock()
-# Stores started by this process, by (address, port): they live until the process exits.
-_servers: dict[tuple[str, int], Any] = {}
-_linger: dict[str, Any] = {}
+# Stores started by this process live until it exits: hora.common.runtime.HostedStores.
 
 
 # ---------------------------------------------------------------- mpi4py
@@ -107,7 +105,7 @@ def _own_address(topology: Topology) -> str:
     """The address rank 0 offers the other ranks when no variable names one (MPI with mpi4py)."""
     if _all_local(topology):
         return "127.0.0.1"
-    interface = lookup("GLOO_IFACE") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    interface = read(table.GLOO_IFACE) or os.environ.get("GLOO_SOCKET_IFNAME", "")
     if interface:
         import psutil
 
@@ -149,8 +147,9 @@ def _host_store(topology: Topology, addr: str, port: int, secret: str) -> tuple[
         the secret it was started with).
     """
     bind = _resolve(addr)
-    with _lock:
-        for (bound, bound_port), (_server, its_secret) in _servers.items():
+    hosted = runtime().hosted_stores
+    with hosted.lock:
+        for (bound, bound_port), (_server, its_secret) in hosted.servers.items():
             if bound == bind and port in (0, bound_port):
                 return bound_port, its_secret
         try:
@@ -167,7 +166,7 @@ def _host_store(topology: Topology, addr: str, port: int, secret: str) -> tuple[
                 f"rank {topology.rank} ({topology.source}) cannot start the job's rendezvous "
                 f"store on {bind}:{port}: {exc.strerror or exc}. {hint}."
             ) from None
-        _servers[(bind, bound_port)] = (server, secret)
+        hosted.servers[(bind, bound_port)] = (server, secret)
     logger.debug("rank %d hosts the job's store on %s:%d", topology.rank, bind, bound_port)
     return bound_port, secret
 
@@ -370,10 +369,10 @@ def join(
 def _port_file(plan: StorePlan, authenticated: bool) -> Path | None:
     """Where rank 0 publishes its random port, when the port would otherwise be derived from
     the job id and the job has a secret file every rank sees (:mod:`port_file`)."""
-    secret_file = os.environ.get("HORA_SECRET_FILE", "")
+    secret_file = raw(table.SECRET_FILE) or ""
     if not (plan.derived and authenticated and secret_file) or plan.mpi4py or plan.shared:
         return None
-    if os.environ.get("HORA_SECRET_KEY"):
+    if raw(table.SECRET_KEY):
         return None  # the secret came from the environment; the file may not be shared
     return port_file.path_for(secret_file, plan.job_id)
 
@@ -406,7 +405,7 @@ def _secret_and_store(
         return addr, port, secret, True
     if topology.secret:
         return plan.addr, plan.port, topology.secret, True
-    if not flag("ALLOW_UNAUTHENTICATED"):
+    if not read(table.ALLOW_UNAUTHENTICATED):
         raise TopologyError(_no_secret(topology))
     # Allowed by the user: keys are still kept apart per job, but anyone who can reach the
     # store and knows the job id could use it (docs/security.md).
@@ -453,37 +452,39 @@ def detach(store: StoreClient, rank: int, generation: int) -> None:
     """Tell the process that hosts the store that this rank no longer needs it."""
     try:
         store.mark(GenerationKeys(generation).detached(rank))
-    except Exception:  # noqa: BLE001 - best effort while leaving
+    except Exception:  # best effort while leaving
         pass
 
 
 def _linger_at_exit(store: StoreClient, topology: Topology, generation: int) -> None:
     """At exit, keep this process (and the store it hosts) until the other ranks detached."""
-    _linger["generation"] = generation
-    _linger["store"] = store.reconnect()
-    _linger["size"] = topology.size
-    _linger["rank"] = topology.rank
-    if not _linger.get("registered"):
+    linger = runtime().hosted_stores.linger
+    linger["generation"] = generation
+    linger["store"] = store.reconnect()
+    linger["size"] = topology.size
+    linger["rank"] = topology.rank
+    if not linger.get("registered"):
         atexit.register(_wait_for_detach)
-        _linger["registered"] = True
+        linger["registered"] = True
 
 
 def _wait_for_detach() -> None:
-    store: StoreClient | None = _linger.get("store")
+    linger = runtime().hosted_stores.linger
+    store: StoreClient | None = linger.get("store")
     if store is None:
         return
-    generation = _linger.get("generation", 0)
-    others = [r for r in range(_linger["size"]) if r != _linger["rank"]]
+    generation = linger.get("generation", 0)
+    others = [r for r in range(linger["size"]) if r != linger["rank"]]
     names = [GenerationKeys(generation).detached(r) for r in others]
     try:
         store.store.wait([store.key(n) for n in names], timedelta(seconds=LINGER_S))
-    except Exception:  # noqa: BLE001 - a rank that died never detaches; stop waiting
+    except Exception:  # a rank that died never detaches; stop waiting
         logger.debug("stopped waiting for ranks to detach from the store after %g s", LINGER_S)
         return
     try:
         # A forged detach mark would let this process (and the store) go while ranks need it.
         store.all_marked(names)
     except AuthenticationError as exc:
-        logger.error("%s", tampering(exc, _linger["rank"]))
-    except Exception:  # noqa: BLE001 - the store is going away: nothing left to protect
+        logger.error("%s", tampering(exc, linger["rank"]))
+    except Exception:  # the store is going away: nothing left to protect
         pass

@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hora.common.config import flag, lookup
+from hora.common import settings_table as table
+from hora.common.config import raw, read
 
 logger = logging.getLogger("hora")
 
@@ -134,22 +135,19 @@ def derived_port(job_id: str) -> int:
 
 def _explicit_address(env: Mapping[str, str]) -> tuple[str, str]:
     """``(address, variable)`` from ``HORA_RENDEZVOUS_ADDR`` or ``MASTER_ADDR`` (``""`` if unset)."""
-    for name in ("RENDEZVOUS_ADDR", "GLOO_RENDEZVOUS_ADDR"):
-        value = lookup(name, env)
+    for variable in (table.RENDEZVOUS_ADDR, table.GLOO_RENDEZVOUS_ADDR):
+        value = raw(variable, env)
         if value:
-            return value, f"HORA_{name}"
+            return value, variable.env
     return env.get("MASTER_ADDR", ""), "MASTER_ADDR"
 
 
 def _explicit_port(env: Mapping[str, str]) -> tuple[int | None, str]:
     """``(port, variable)`` from ``HORA_RENDEZVOUS_PORT`` or ``MASTER_PORT`` (``None`` if unset)."""
-    for name, variable in (
-        ("RENDEZVOUS_PORT", "HORA_RENDEZVOUS_PORT"),
-        ("GLOO_RENDEZVOUS_PORT", "HORA_GLOO_RENDEZVOUS_PORT"),
-    ):
-        value = lookup(name, env)
+    for variable in (table.RENDEZVOUS_PORT, table.GLOO_RENDEZVOUS_PORT):
+        value = raw(variable, env)
         if value:
-            return _port(value, variable), variable
+            return _port(value, variable.env), variable.env
     if env.get("MASTER_PORT"):
         return _port(env["MASTER_PORT"], "MASTER_PORT"), "MASTER_PORT"
     return None, ""
@@ -617,13 +615,13 @@ def mpi4py_usable(launcher: str) -> bool:
     (an mpi4py built for Open MPI started by MPICH's ``mpiexec`` would see a world of one).
     Importing ``mpi4py.MPI`` here does not initialize MPI; :func:`join` does.
     """
-    if not flag("MPI4PY", default=True):
+    if not read(table.MPI4PY):
         return False
     try:
         mpi = import_mpi()
     except ImportError:
         return False
-    except Exception as exc:  # noqa: BLE001 - a broken MPI install must not stop hvd.init()
+    except Exception as exc:  # a broken MPI install must not stop hvd.init()
         logger.debug("mpi4py is installed but cannot be loaded (%s); not using it", exc)
         return False
     version = str(mpi.Get_library_version())

@@ -36,7 +36,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from hora.common.config import lookup
+from hora.common import settings_table as table
+from hora.common.config import raw, read
 from hora.common.job import store_keys as keys
 from hora.common.job.store import AuthenticationError, StoreClient, tampering
 from hora.common.job.topology import Topology
@@ -49,7 +50,6 @@ ELASTIC_VAR = ELASTIC.env
 # The worker's stable name in the job, "host:slot" (slot: its index among the host's slots).
 WORKER_ID_VAR = ELASTIC_ID.env
 # How long a worker waits for a round that includes it, and for that round's other workers.
-TIMEOUT_VAR = ELASTIC_TIMEOUT.name  # read as HORA_ELASTIC_TIMEOUT or HOROVOD_ELASTIC_TIMEOUT
 DEFAULT_TIMEOUT_S = ELASTIC_TIMEOUT.default
 
 ROUND_KEY = keys.ELASTIC_ROUND
@@ -174,19 +174,16 @@ def publish_host_update(store: StoreClient, number: int, flags: int) -> None:
 
 def active() -> bool:
     """Whether this process was started by an elastic ``horarun``."""
-    return os.environ.get(ELASTIC_VAR) == "1"
+    return read(ELASTIC) is True
 
 
 def timeout_s() -> float:
-    """``HORA_ELASTIC_TIMEOUT`` (or Horovod's twin) in seconds; raises ValueError if it is not a
-    number."""
-    raw = lookup(TIMEOUT_VAR)
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(
-            f"HORA_ELASTIC_TIMEOUT must be a number of seconds, got {raw!r}."
-        ) from None
+    """``HORA_ELASTIC_TIMEOUT`` (or Horovod's twin) in seconds.
+
+    Raises:
+        SettingError: (a ValueError) it is not a number.
+    """
+    return read(ELASTIC_TIMEOUT)
 
 
 class WorkerRemoved(SystemExit):
@@ -215,7 +212,7 @@ def request_reset() -> None:
     if progress.plan is not None:
         try:
             base_store().mark(reset_key(progress.plan.number))
-        except Exception:  # noqa: BLE001 - the driver also notices exits on its own
+        except Exception:  # the driver also notices exits on its own
             logger.debug("could not ask the elastic driver for a new round", exc_info=True)
 
 
@@ -229,13 +226,14 @@ def read_host_update(store: StoreClient) -> tuple[int, int]:
 
 def base_store() -> StoreClient:
     """The job's store, without any round's prefix."""
-    addr = lookup("RENDEZVOUS_ADDR") or ""
-    port = int(lookup("RENDEZVOUS_PORT") or "0")
-    secret = os.environ.get("HORA_SECRET_KEY", "")
+    addr = raw(table.RENDEZVOUS_ADDR) or ""
+    port = read(table.RENDEZVOUS_PORT) or 0
+    secret = raw(table.SECRET_KEY) or ""
     if not addr or not secret:
         raise ValueError(
-            f"{ELASTIC_VAR}=1 but HORA_RENDEZVOUS_ADDR or HORA_SECRET_KEY is not set: elastic "
-            "workers must be started by horarun --min-np/--max-np/--host-discovery-script."
+            f"{ELASTIC_VAR}=1 but {table.RENDEZVOUS_ADDR.env} or {table.SECRET_KEY.env} is not "
+            "set: elastic workers must be started by horarun --min-np/--max-np/"
+            "--host-discovery-script."
         )
     return StoreClient(addr, port, secret, timeout_s=60.0)
 

@@ -17,8 +17,10 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from hora.common.config import lookup
+from hora.common import settings_table as table
+from hora.common.config import SettingError, raw, read
 from hora.common.job.launchers import READERS, LauncherError, Reading, StorePlan, mpi4py_usable
+from hora.common.settings_table import Variable
 
 logger = logging.getLogger("hora")
 
@@ -112,10 +114,10 @@ def job_secret(env: Mapping[str, str]) -> str:
             missing, not a regular file of this user, readable or writable by others, or lies in
             a directory that others can write.
     """
-    secret = env.get("HORA_SECRET_KEY", "")
-    path = env.get("HORA_SECRET_FILE", "")
+    secret = raw(table.SECRET_KEY, env) or ""
+    path = raw(table.SECRET_FILE, env) or ""
     if secret:
-        _check_length(secret, "HORA_SECRET_KEY")
+        _check_length(secret, table.SECRET_KEY.env)
         return secret
     if not path:
         return ""
@@ -191,38 +193,44 @@ def _check_secret_directory(path: str) -> None:
     )
 
 
-def _int_var(name: str, env: Mapping[str, str], default: int | None = None) -> int:
-    raw = lookup(name, env)
-    if raw is None:
-        if default is None:
-            raise TopologyError(f"HORA_{name} is not set but other HORA_* topology variables are.")
-        return default
+def _int_var(
+    variable: Variable[int | None], env: Mapping[str, str], default: int | None = None
+) -> int:
     try:
-        return int(raw)
-    except ValueError:
-        raise TopologyError(f"HORA_{name} must be an integer, got {raw!r}.") from None
+        value = read(variable, env)
+    except SettingError as exc:
+        raise TopologyError(str(exc)) from None
+    if value is None:
+        if default is None:
+            raise TopologyError(
+                f"{variable.env} is not set but other HORA_* topology variables are."
+            )
+        return default
+    return value
 
 
 def _from_hora(env: Mapping[str, str]) -> Topology | None:
     """``horarun``'s (and Horovod's) variables, or ``None`` when ``HORA_RANK`` is not set."""
-    if lookup("RANK", env) is None:
+    if raw(table.RANK, env) is None:
         return None
-    size = _int_var("SIZE", env)
-    local_size = _int_var("LOCAL_SIZE", env, default=size)
-    addr = lookup("RENDEZVOUS_ADDR", env) or lookup("GLOO_RENDEZVOUS_ADDR", env) or ""
-    port_raw = lookup("RENDEZVOUS_PORT", env) or lookup("GLOO_RENDEZVOUS_PORT", env) or "0"
+    size = _int_var(table.SIZE, env)
+    local_size = _int_var(table.LOCAL_SIZE, env, default=size)
+    addr = raw(table.RENDEZVOUS_ADDR, env) or raw(table.GLOO_RENDEZVOUS_ADDR, env) or ""
+    port_raw = raw(table.RENDEZVOUS_PORT, env) or raw(table.GLOO_RENDEZVOUS_PORT, env) or "0"
     try:
         port = int(port_raw)
     except ValueError:
-        raise TopologyError(f"HORA_RENDEZVOUS_PORT must be an integer, got {port_raw!r}.") from None
+        raise TopologyError(
+            f"{table.RENDEZVOUS_PORT.env} must be an integer, got {port_raw!r}."
+        ) from None
     return Topology(
-        rank=_int_var("RANK", env),
+        rank=_int_var(table.RANK, env),
         size=size,
-        local_rank=_int_var("LOCAL_RANK", env, default=0),
+        local_rank=_int_var(table.LOCAL_RANK, env, default=0),
         local_size=local_size,
-        cross_rank=_int_var("CROSS_RANK", env, default=0),
-        cross_size=_int_var("CROSS_SIZE", env, default=1),
-        hostname=lookup("HOSTNAME", env) or socket.gethostname(),
+        cross_rank=_int_var(table.CROSS_RANK, env, default=0),
+        cross_size=_int_var(table.CROSS_SIZE, env, default=1),
+        hostname=raw(table.HOSTNAME, env) or socket.gethostname(),
         rendezvous_addr=addr,
         rendezvous_port=port,
         secret=job_secret(env),
@@ -236,7 +244,7 @@ LAUNCHER_NAMES = ("horarun", "torchrun", "mpi", "slurm", "env", "none")
 
 
 def _hora_reading(topology: Topology, env: Mapping[str, str]) -> Reading:
-    prefix = "HORA" if env.get("HORA_RANK") else "HOROVOD"
+    prefix = "HORA" if env.get(table.RANK.env) else "HOROVOD"
     return Reading(
         launcher="horarun",
         rank=topology.rank,
@@ -353,7 +361,7 @@ def detect(
     source = os.environ if env is None else env
     if use_mpi4py is None:
         use_mpi4py = mpi4py_usable if env is None else _never
-    forced = (lookup("LAUNCHER", source) or "").lower()
+    forced = (raw(table.LAUNCHER, source) or "").lower()
     if forced and forced not in LAUNCHER_NAMES:
         raise TopologyError(
             f"HORA_LAUNCHER must be one of {', '.join(LAUNCHER_NAMES)}; got {forced!r}."

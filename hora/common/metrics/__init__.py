@@ -37,6 +37,7 @@ from hora.common.metrics.sinks import (
     SinkUnavailable,
     TensorBoardSink,
 )
+from hora.common.runtime import runtime
 
 __all__ = [
     "METRICS",
@@ -67,7 +68,7 @@ class SinkSpec:
         return int(self.target)
 
 
-def parse_spec(text: str, source: str = "HORA_METRICS") -> list[SinkSpec]:
+def parse_spec(text: str, source: str = table.METRICS.env) -> list[SinkSpec]:
     """``tensorboard:DIR``, ``prometheus:PORT`` or both, separated by a comma.
 
     Raises:
@@ -101,7 +102,7 @@ def parse_spec(text: str, source: str = "HORA_METRICS") -> list[SinkSpec]:
     return sinks
 
 
-def parse_ranks(text: str, source: str = "HORA_METRICS_RANKS") -> frozenset[int] | None:
+def parse_ranks(text: str, source: str = table.METRICS_RANKS.env) -> frozenset[int] | None:
     """``all`` (``None``: every rank) or a comma-separated list of ranks (``0``, ``0,4``).
 
     Raises:
@@ -213,12 +214,15 @@ class _Context:
     local_rank: int
 
 
-# The running publisher, or None: DistributedOptimizer's hooks look here for every gradient.
-current: Publisher | None = None
-_context: _Context | None = None
-# Steps published so far in this process: numbers go on across stop/start and elastic rounds.
-_steps_done = 0
-_lock = threading.RLock()
+# Live metrics' state is the process runtime's (hora.common.runtime.LiveMetrics): the running
+# publisher, what start() needs from the running engine, and the steps published so far (their
+# numbers go on across stop/start and elastic rounds).
+
+
+def current() -> Publisher | None:
+    """The running publisher, or ``None``: DistributedOptimizer's hooks ask for every gradient."""
+    publisher: Publisher | None = runtime().metrics.publisher
+    return publisher
 
 
 def start(
@@ -246,8 +250,9 @@ def start(
     Example:
         >>> hvd.metrics.start("tensorboard:runs/metrics,prometheus:9400", ranks="0")
     """
-    with _lock:
-        context = _context
+    state = runtime().metrics
+    with state.lock:
+        context = state.context
         if context is None:
             raise ValueError("hvd.metrics.start() needs hvd.init() first.")
         specs = parse_spec(spec, "hvd.metrics.start")
@@ -258,11 +263,11 @@ def start(
 
 def stop() -> None:
     """Stop publishing and close this rank's sinks (files flushed, the port released)."""
-    global current, _steps_done
-    with _lock:
-        publisher, current = current, None
+    state = runtime().metrics
+    with state.lock:
+        publisher, state.publisher = state.publisher, None
         if publisher is not None:
-            _steps_done = publisher.step
+            state.steps_done = publisher.step
             publisher.close()
 
 
@@ -283,7 +288,7 @@ def log_step(
     Example:
         >>> hvd.metrics.log_step(batch_size=64, loss=loss.item())
     """
-    publisher = current
+    publisher = current()
     if publisher is not None:
         values = dict(scalars or {})
         values.update(named)
@@ -297,7 +302,6 @@ def _open(
     address: str,
     required: bool,
 ) -> None:
-    global current
     stop()
     if ranks is not None and context.rank not in ranks:
         return
@@ -311,7 +315,8 @@ def _open(
         for opened in sinks:
             opened.close()
         raise
-    current = Publisher(context.counters, context.rank, sinks, _steps_done)
+    state = runtime().metrics
+    state.publisher = Publisher(context.counters, context.rank, sinks, state.steps_done)
 
 
 def _open_sink(spec: SinkSpec, context: _Context, address: str, required: bool) -> Sink | None:
@@ -339,20 +344,20 @@ def attach(counters: Counters, rank: int, local_rank: int) -> None:
         SettingError: a metrics variable cannot be used.
         MetricsError: a sink cannot be opened.
     """
-    global _context
-    with _lock:
-        _context = _Context(counters, rank, local_rank)
+    state = runtime().metrics
+    with state.lock:
+        context = state.context = _Context(counters, rank, local_rank)
         spec = read(table.METRICS)
         if spec:
             specs = parse_spec(spec)
             ranks = parse_ranks(read(table.METRICS_RANKS))
             required = read(table.METRICS_REQUIRED)
-            _open(_context, specs, ranks, read(table.METRICS_ADDR), required)
+            _open(context, specs, ranks, read(table.METRICS_ADDR), required)
 
 
 def detach() -> None:
     """``hvd.shutdown()``: close the sinks and forget the engine."""
-    global _context
-    with _lock:
+    state = runtime().metrics
+    with state.lock:
         stop()
-        _context = None
+        state.context = None

@@ -120,11 +120,11 @@ class TensorBoardSink:
         try:
             from tensorboard.compat.proto import event_pb2, summary_pb2
         except ImportError as exc:
-            raise missing_package("tensorboard", "tensorboard:DIR", rank, exc) from exc
+            raise missing_package("tensorboard", "tensorboard:DIR", rank, exc) from None
         try:
             import google_crc32c
         except ImportError as exc:
-            raise missing_package("google-crc32c", "tensorboard:DIR", rank, exc) from exc
+            raise missing_package("google-crc32c", "tensorboard:DIR", rank, exc) from None
         self._event = event_pb2.Event
         self._summary = summary_pb2.Summary
         self.path = os.path.join(directory, f"rank{rank}")
@@ -217,7 +217,7 @@ class PrometheusSink:
         try:
             import prometheus_client as prometheus
         except ImportError as exc:
-            raise missing_package("prometheus_client", "prometheus:PORT", rank, exc) from exc
+            raise missing_package("prometheus_client", "prometheus:PORT", rank, exc) from None
         self.registry = prometheus.CollectorRegistry(auto_describe=True)
         self.rank = str(rank)
         self._counters: dict[str, Any] = {}

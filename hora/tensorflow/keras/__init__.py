@@ -135,7 +135,7 @@ def _make_state(
     return _optimizer.HoraState(reducer, accumulator)
 
 
-def DistributedOptimizer(  # noqa: N802 - Horovod's name
+def DistributedOptimizer(  # Horovod's name
     optimizer: Any,
     name: str | None = None,
     device_dense: str = "",
@@ -229,7 +229,7 @@ def _local_variables(local_layers: Any) -> list[Any]:
     return variables
 
 
-def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
+def PartialDistributedOptimizer(  # Horovod's name
     optimizer: Any,
     name: str | None = None,
     device_dense: str = "",

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hora.common import basics
-from hora.tensorflow import mpi_ops
+from hora.tensorflow import ops
 from hora.tensorflow.functions import allgather_object, broadcast_variables
 
 _keras: Any = tf.keras
@@ -159,7 +159,7 @@ class MetricAverageCallback(_keras.callbacks.Callback):  # type: ignore[misc]
             return
         values = tf.constant([float(np.asarray(logs[n])) for n in names], dtype=tf.float64)
         digest = hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
-        averaged = mpi_ops.allreduce(values, op=mpi_ops.Average, name=f"hora.metrics.{digest}")
+        averaged = ops.allreduce(values, op=ops.Average, name=f"hora.metrics.{digest}")
         for name, value in zip(names, averaged.numpy()):
             logs[name] = float(value)
 

@@ -83,16 +83,15 @@ Semantics worth knowing (see each object's documentation):
   joins a running job must reach the decorated function without other collectives first.
 """
 
+from hora.common.elastic.durable import DurableCommitError, read_commit
+from hora.common.elastic.loop import reset_count, round_number, run
+from hora.common.elastic.state import ObjectState, State
 from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
-from hora.torch.elastic.durable import DurableCommitError, read_commit
-from hora.torch.elastic.loop import reset_count, round_number, run
 from hora.torch.elastic.sampler import ElasticSampler
-from hora.torch.elastic.state import (
+from hora.torch.elastic.torch_state import (
     ModelStateHandler,
-    ObjectState,
     OptimizerStateHandler,
     SamplerStateHandler,
-    State,
     StateHandler,
     TorchState,
     get_handler_registry,

@@ -1,0 +1,217 @@
+"""Which communicators a job's process sets get, made in one place.
+
+The engine asks for a communicator per process set (and one for its control plane) through the
+factories made here: Gloo groups built on the job's store, or MPI communicators made from the
+job's MPI communicator (``HORA_CPU_OPERATIONS=mpi``), and for CUDA tensors NCCL groups
+(``HORA_GPU_OPERATIONS=nccl``). Gloo and NCCL groups prove the job secret over their own
+connections before they are used. This module also finds the job's MPI communicator, and the
+place of a process in a job made of part of an MPI job (``hvd.init(comm=...)``).
+
+It knows settings, the store and the transports; not the engine's cycle or tensors' contents.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+from hora.common import settings_table as table
+from hora.common.config import Settings, read
+from hora.common.job.launchers import mpi_identity
+from hora.common.job.store import StoreClient
+from hora.common.job.topology import Topology
+from hora.common.transport import Communicator, TransportError, prove_peers
+
+logger = logging.getLogger("hora")
+
+
+def cpu_communicators(
+    topology: Topology, settings: Settings, store: StoreClient, mpi_comm: Any = None
+) -> Any:
+    """Builds the communicators of the job's process sets and of its control plane.
+
+    With ``HORA_CPU_OPERATIONS=mpi`` every one of them is an MPI communicator of its own, made
+    from ``mpi_comm`` (the job's); otherwise a Gloo group built on the store. The negotiation
+    moves to MPI with the data: every rank is in the job's communicator anyway, its small
+    messages then take the MPI library's fastest path (shared memory, the fabric), and the job
+    opens no Gloo connections at all. Its own communicator keeps it apart from the data.
+    """
+    if settings.cpu_operations == "mpi":
+        return _mpi_factory(topology, settings, store, mpi_comm)
+    from hora.common.transport.gloo import GlooCommunicator, make_device, raise_open_file_limit
+
+    old, new = raise_open_file_limit()
+    if new != old:
+        logger.debug("rank %d raised its open-file limit from %d to %d", topology.rank, old, new)
+    interface = read(table.GLOO_IFACE) or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    bind = "127.0.0.1" if topology.all_local and not interface else ""
+    device = make_device(bind, interface)
+
+    def factory(scope: str, rank: int, size: int) -> Communicator:
+        comm = GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
+        return _proved(comm, store, scope)
+
+    return factory
+
+
+def _proved(comm: Communicator, store: StoreClient, scope: str) -> Communicator:
+    """``comm`` once its members proved to each other that they hold the job secret (see
+    :func:`hora.common.transport.prove_peers`); aborted, and the error raised, if not."""
+    try:
+        prove_peers(comm, store.secret, scope)
+    except TransportError:
+        comm.abort()
+        raise
+    return comm
+
+
+def gpu_communicators(settings: Settings, store: StoreClient) -> Any:
+    """Builds the NCCL communicators that move CUDA tensors (``HORA_GPU_OPERATIONS=nccl``), or
+    ``None`` where CUDA tensors go through host memory (``host``, or a torch without NCCL).
+
+    The factory returns ``None`` for a set whose members share a GPU (NCCL needs one per
+    member): that set's CUDA tensors go through host memory, as every member learns from the
+    same exchange. Each group proves the job secret over its own connections once it is made,
+    as Gloo's do.
+    """
+    from hora.common.transport.nccl import (
+        NCCLCommunicator,
+        gpu_identity,
+        nccl_compiled,
+        shared_gpus,
+    )
+
+    if settings.gpu_operations != "nccl" or not nccl_compiled():
+        return None
+    from hora.common.engine.steady import steady_batch_timeout_s
+
+    longest_s = steady_batch_timeout_s(settings)
+
+    def factory(scope: str, rank: int, size: int, device: Any) -> Communicator | None:
+        name = f"{scope}/gpu-of/"
+        store.set_signed(name + str(rank), gpu_identity(device).encode())
+        try:
+            identities = [store.get_signed(name + str(r)).decode() for r in range(size)]
+        except RuntimeError as exc:
+            raise TransportError(f"the members of {scope} did not all arrive: {exc}") from exc
+        shared = shared_gpus(identities)
+        if shared:
+            if rank == 0:
+                logger.warning(
+                    "members %s of a process set share a GPU; NCCL needs one GPU per process, "
+                    "so that set's CUDA tensors go through host memory. Pin each process to its "
+                    "own GPU (torch.cuda.set_device(hvd.local_rank())) to use NCCL.",
+                    "; ".join(str(group) for group in shared),
+                )
+            return None
+        comm = NCCLCommunicator(
+            store.scoped(scope), rank, size, settings.gloo_timeout_s, device, longest_s
+        )
+        return _proved(comm, store, scope)
+
+    return factory
+
+
+def _mpi_factory(topology: Topology, settings: Settings, store: StoreClient, job_comm: Any) -> Any:
+    """MPI communicators: a duplicate of the job's for a set of every rank (the control plane
+    and the global set), else a group of it made by the members alone.
+
+    The members of a smaller set learn each other's ranks through the store (the factory is
+    given only this process's place in the set), then call ``MPI_Comm_create_group``. Nothing is
+    proved with the job secret here, unlike over Gloo: MPI's connections are made by the MPI
+    library among the processes its launcher started, and no port of hora's is open to them.
+    """
+    from hora.common.transport.mpi import MPICommunicator, import_mpi
+
+    mpi = import_mpi()
+
+    def factory(scope: str, rank: int, size: int) -> Communicator:
+        members = None
+        if size != topology.size:
+            name = f"{scope}/mpi-member/"
+            store.set_signed(name + str(rank), str(topology.rank).encode())
+            try:
+                members = [int(store.get_signed(name + str(r))) for r in range(size)]
+            except RuntimeError as exc:
+                raise TransportError(f"the members of {scope} did not all arrive: {exc}") from exc
+        return MPICommunicator.of(job_comm, members, settings.gloo_timeout_s, mpi)
+
+    return factory
+
+
+def mpi_job_comm(comm: Any, topology: Topology, settings: Settings) -> Any:
+    """The job's MPI communicator: ``comm`` (an mpi4py communicator, or world ranks), or
+    ``MPI_COMM_WORLD`` when MPI carries the data; ``None`` when MPI plays no part.
+
+    Raises:
+        ValueError: MPI is asked for but is not available, or ``comm`` does not fit the job.
+    """
+    if comm is None and settings.cpu_operations != "mpi":
+        return None
+    why = "hvd.init(comm=...)" if comm is not None else "HORA_CPU_OPERATIONS=mpi"
+    launched_by_mpi = mpi_identity(os.environ) is not None
+    if not launched_by_mpi and (topology.size > 1 or comm is not None):
+        raise ValueError(
+            f"{why} needs a job started by MPI's launcher, but {topology.source} started this "
+            f"one. Start it with `mpirun -np N python train.py` or `horarun --mpi -np N python "
+            "train.py`, or use Gloo (HORA_CPU_OPERATIONS=gloo, horarun --gloo)."
+        )
+    from hora.common.transport.mpi import import_mpi
+
+    try:
+        mpi = import_mpi()
+    except TransportError as exc:
+        raise ValueError(f"{why}: {exc}") from None
+    world = mpi.COMM_WORLD
+    if launched_by_mpi and world.Get_size() != topology.size:
+        raise ValueError(
+            f"{why}: {topology.source} started {topology.size} processes, but mpi4py's "
+            f"MPI_COMM_WORLD has {world.Get_size()}: mpi4py is built for another MPI than the "
+            "one that launched the job. Install mpi4py for this MPI (pip install mpi4py builds "
+            "it against the mpicc on PATH), or set HORA_CPU_OPERATIONS=gloo."
+        )
+    if comm is None:
+        return world.Dup()
+    if hasattr(comm, "Get_group") and hasattr(comm, "Dup"):
+        return comm.Dup()
+    ranks = [int(r) for r in comm]
+    if world.Get_rank() not in ranks:
+        raise ValueError(
+            f"hvd.init(comm={ranks}): this process (MPI_COMM_WORLD rank {world.Get_rank()}) is "
+            "not one of the listed ranks; only they call hvd.init with this list."
+        )
+    group = world.Get_group().Incl(ranks)
+    made = world.Create_group(group)
+    group.Free()
+    return made
+
+
+def sub_job(topology: Topology, job_comm: Any) -> Topology:
+    """The topology of a job that is ``job_comm``'s processes, a part of the MPI job: ranks
+    are the communicator's; local ranks come from the exchange of host names; the store is
+    hosted by its rank 0 and handed out over it (joining with mpi4py)."""
+    launch = topology.launch
+    if launch is None or not launch.plan.mpi4py:
+        raise ValueError(
+            "hvd.init(comm=...) hands out the job's store over that communicator with mpi4py: "
+            "unset HORA_MPI4PY=0 and start the job with mpirun/mpiexec."
+        )
+    rank, size = job_comm.Get_rank(), job_comm.Get_size()
+    if size == topology.size:
+        return topology
+    plan = replace(launch.plan, host=rank == 0, port=0, job_id=f"{launch.plan.job_id}/comm")
+    # Every process of the MPI job on this host: so is every process of this part of it.
+    all_local = launch.local_size is not None and launch.local_size == launch.size
+    reading = replace(
+        launch,
+        rank=rank,
+        size=size,
+        local_rank=None,
+        local_size=size if all_local else None,
+        cross_rank=None,
+        cross_size=None,
+        plan=plan,
+    )
+    return replace(topology, rank=rank, size=size, launch=reading)
