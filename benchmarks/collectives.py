@@ -12,11 +12,13 @@ Every worker runs hora (``hvd.init()``) and, next to it, torch.distributed's def
 group on Gloo, rendezvousing through the job's store under its own key prefix. Both then run the
 same collectives on the same tensors:
 
-1. allreduce bus bandwidth, 1 to 64 MiB of float32 (goal: hora >= 0.95x raw);
+1. allreduce bus bandwidth, 1 to 256 MiB of float32 (goal: hora >= 0.95x raw; where hora's
+   ranks share a host and exchange through shared memory, its default: >= 2x raw Gloo up to
+   16 MiB, >= 1.3x from 64 MiB, and at least raw mpi4py's at every size under ``--with-mpi``);
 2. 300 allreduces of 1 KiB: hora submits them all and lets fusion batch them, raw runs them one
    by one (goal: hora >= 5x faster);
 3. latency of one synchronous allreduce, 4 B to 1 MiB, and of an unnamed 4 B one (negotiated
-   anew every call) (goal: hora <= raw + 0.5 ms);
+   anew every call) (goal: hora <= raw + 0.5 ms; over shared memory, 4 B: hora <= 2x raw);
 4. 200 allreduces of 4 KiB three ways: one by one, each waited for (goal: hora <= 2x raw);
    as one grouped call against raw ``all_reduce_coalesced`` (goal: hora <= 2x raw); all started
    asynchronously, then waited for, against raw ``async_op=True`` (goal: hora <= raw).
@@ -25,6 +27,12 @@ Calls are timed one by one, back to back, in blocks that start with a barrier; h
 blocks alternate (ABBA) so that changes in the machine's load hit both alike. A call's time is
 that of the slowest rank, and the table shows medians. Rank 0 prints the table; ``--json PATH``
 also writes every sample there.
+
+``--with-mpi`` starts the job through ``horarun --mpi`` (so ``mpirun``) with hora on its
+default path, and times raw mpi4py's ``Allreduce`` on the same buffers as a third column of the
+bandwidth rows::
+
+    .venv/bin/python benchmarks/collectives.py --with-mpi [--np N] [--json results.json]
 
 ``--transport mpi`` measures hora's MPI data path instead: the script starts itself through
 ``horarun --mpi`` (so ``mpirun``), and compares hora's allreduce bus bandwidth, 1 to 64 MiB,
@@ -66,6 +74,7 @@ import torch.distributed as _dist
 
 import hora
 import hora.torch as hvd
+from hora.common import basics
 from hora.common.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
@@ -75,8 +84,12 @@ import harness
 MIB = 1024 * 1024
 KIB = 1024
 # Allreduce sizes in bytes, and how many times each is timed (per library).
-BANDWIDTH_REPS = {1 * MIB: 60, 4 * MIB: 40, 16 * MIB: 24, 64 * MIB: 12}
+BANDWIDTH_REPS = {1 * MIB: 60, 4 * MIB: 40, 16 * MIB: 24, 64 * MIB: 12, 256 * MIB: 6}
 BANDWIDTH_GOAL = 0.95
+# Ranks of one host exchange through shared memory (hora's "shm" data path): what it must give
+# against raw Gloo, which goes through TCP loopback: from these many bytes up, at least this
+# ratio of bus bandwidths (and at least raw mpi4py's, when it runs beside them).
+SHM_BANDWIDTH_GOALS = ((64 * MIB, 1.3), (0, 2.0))
 # --transport nccl: CUDA float32 allreduce sizes and repetitions, and where the goal starts.
 NCCL_BANDWIDTH_REPS = {1 * MIB: 100, 4 * MIB: 80, 16 * MIB: 60, 64 * MIB: 40, 256 * MIB: 20}
 GOAL_FROM_BYTES = 16 * MIB
@@ -103,6 +116,8 @@ FUSION_ELEMENTS = 256  # 1 KiB of float32
 FUSION_GOAL = 5.0
 LATENCY_SIZES = (4, 1 * KIB, 64 * KIB, 1 * MIB)
 LATENCY_EXTRA_GOAL_US = 500.0
+# On the shared-memory path a synchronous 4 B allreduce costs at most this times raw Gloo's.
+SHM_LATENCY_GOAL = 2.0
 # Many small ops: how many, how large, and the goal for hora's time over raw's, per way.
 SMALL_OPS = 200
 SMALL_OP_ELEMENTS = 1024  # 4 KiB of float32
@@ -135,6 +150,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the data path to measure against its own library (default: gloo)",
     )
     parser.add_argument(
+        "--with-mpi",
+        action="store_true",
+        help="start the job through mpirun (horarun --mpi) and time raw mpi4py's Allreduce "
+        "beside hora and raw Gloo (hora keeps its default data path)",
+    )
+    parser.add_argument(
         "--repeats",
         type=float,
         default=1.0,
@@ -159,9 +180,14 @@ def relaunch(args: argparse.Namespace) -> int:
     forwarded = ["--repeats", str(args.repeats), "--transport", args.transport]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
-    if args.transport == "mpi":
+    if args.transport == "mpi" or args.with_mpi:
         command = [sys.executable, "-m", "hora.runner.launch", "--mpi", "-np", str(args.np)]
-        return subprocess.call([*command, sys.executable, os.path.abspath(__file__), *forwarded])
+        # --with-mpi: mpirun starts the job so that mpi4py can run beside hora, whose own
+        # collectives keep their default path (HORA_CPU_OPERATIONS=gloo).
+        env = {**os.environ, "HORA_CPU_OPERATIONS": "gloo"} if args.with_mpi else None
+        return subprocess.call(
+            [*command, sys.executable, os.path.abspath(__file__), *forwarded], env=env
+        )
     return harness.relaunch(__file__, args.np, forwarded)
 
 
@@ -191,11 +217,11 @@ def run_block(op: Op, reps: int) -> list[float]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Times hora and raw ops against each other in alternating blocks.
+    """Times hora and its peers' ops against each other in alternating blocks.
 
-    Blocks run in the order hora, raw, raw, hora, ... so that drift in the machine's load falls on
-    both alike. Before a raw block hora's engine gets ``settle_s`` to park, so that its idle cycles
-    do not compete with the raw group for the CPU.
+    Blocks run in the order hora, raw, raw, hora, ... (with a third op: A B C C B A ...) so that
+    drift in the machine's load falls on every op alike. Before a peer's block hora's engine
+    gets ``settle_s`` to park, so that its idle cycles do not compete with the peer for the CPU.
     """
 
     settle_s: float
@@ -208,23 +234,26 @@ class Comparison:
         Returns:
             (hora times, raw times) in seconds; each is the slowest rank's time for that call.
         """
+        hora_times, raw_times = self.run_all([hora_op, raw_op], reps, warmup, block)
+        return hora_times, raw_times
+
+    def run_all(self, ops: Sequence[Op], reps: int, warmup: int, block: int) -> list[list[float]]:
+        """:meth:`run` for any number of ops, the first hora's; their times, in order."""
         for _ in range(warmup):
-            dist.barrier()
-            hora_op()
-            dist.barrier()
-            raw_op()
-        hora_times: list[float] = []
-        raw_times: list[float] = []
-        for op in itertools.cycle((hora_op, raw_op, raw_op, hora_op)):
-            times = hora_times if op is hora_op else raw_times
-            count = min(block, reps - len(times))
+            for op in ops:
+                dist.barrier()
+                op()
+        times: list[list[float]] = [[] for _ in ops]
+        order = [*range(len(ops)), *reversed(range(len(ops)))]
+        for index in itertools.cycle(order):
+            count = min(block, reps - len(times[index]))
             if count > 0:
-                if op is raw_op:
+                if index:
                     time.sleep(self.settle_s)
-                times.extend(run_block(op, count))
-            if len(hora_times) == len(raw_times) == reps:
+                times[index].extend(run_block(ops[index], count))
+            if all(len(t) == reps for t in times):
                 break
-        return harness.slowest_rank(hora_times), harness.slowest_rank(raw_times)
+        return [harness.slowest_rank(t) for t in times]
 
 
 def scaled(count: int, factor: float) -> int:
@@ -258,38 +287,55 @@ def raw_allreduce(tensor: torch.Tensor) -> Op:
     return lambda: dist.all_reduce(tensor)
 
 
-def bench_bandwidth(timer: Comparison, factor: float) -> list[dict[str, Any]]:
-    """One large in-place float32 allreduce at a time; bus bandwidth per size."""
+def shm_goal(nbytes: int) -> float:
+    """The bus bandwidth ratio to raw Gloo the shared-memory path must reach at ``nbytes``."""
+    return next(ratio for start, ratio in SHM_BANDWIDTH_GOALS if nbytes >= start)
+
+
+def bench_bandwidth(
+    timer: Comparison, factor: float, path: str, mpi: tuple[Any, Any] | None
+) -> list[dict[str, Any]]:
+    """One large in-place float32 allreduce at a time; bus bandwidth per size, against raw
+    Gloo and, where ``mpi`` (``(communicator, MPI module)``) is given, raw mpi4py."""
     size = dist.get_world_size()
     rows = []
     for nbytes, base_reps in BANDWIDTH_REPS.items():
         # Zeros stay zeros however often they are summed: no overflow, no denormals.
         tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
         name = f"bandwidth.{nbytes}"
-        hora_times, raw_times = timer.run(
-            hora_allreduce(tensor, name),
-            raw_allreduce(tensor),
-            scaled(base_reps, factor),
-            warmup=3,
-            block=5,
-        )
-        hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
+        ops = [hora_allreduce(tensor, name), raw_allreduce(tensor)]
+        if mpi is not None:
+            ops.append(raw_mpi_allreduce(mpi[0], mpi[1], tensor))
+        samples = timer.run_all(ops, scaled(base_reps, factor), warmup=3, block=5)
+        hora_s, raw_s = statistics.median(samples[0]), statistics.median(samples[1])
         moved = bus_bytes(nbytes, size)
         ratio = raw_s / hora_s
-        rows.append(
-            {
-                "bytes": nbytes,
-                "hora_s": hora_s,
-                "raw_s": raw_s,
-                "hora_busbw_GBps": moved / hora_s / 1e9,
-                "raw_busbw_GBps": moved / raw_s / 1e9,
-                "ratio": ratio,
-                "goal": f"hora/raw bus bandwidth >= {BANDWIDTH_GOAL}",
-                "pass": ratio >= BANDWIDTH_GOAL,
-                "hora_samples_s": hora_times,
-                "raw_samples_s": raw_times,
-            }
-        )
+        wanted = shm_goal(nbytes) if path == "shm" else BANDWIDTH_GOAL
+        row: dict[str, Any] = {
+            "bytes": nbytes,
+            "hora_s": hora_s,
+            "raw_s": raw_s,
+            "hora_busbw_GBps": moved / hora_s / 1e9,
+            "raw_busbw_GBps": moved / raw_s / 1e9,
+            "ratio": ratio,
+            "wanted": wanted,
+            "goal": f"hora/raw bus bandwidth >= {wanted:g}",
+            "pass": ratio >= wanted,
+            "hora_samples_s": samples[0],
+            "raw_samples_s": samples[1],
+        }
+        if mpi is not None:
+            mpi_s = statistics.median(samples[2])
+            row.update(
+                mpi_s=mpi_s,
+                mpi_busbw_GBps=moved / mpi_s / 1e9,
+                mpi_ratio=mpi_s / hora_s,
+                mpi_samples_s=samples[2],
+            )
+            if path == "shm":
+                row["goal"] += " and >= raw mpi4py's"
+                row["pass"] = row["pass"] and mpi_s / hora_s >= 1.0
+        rows.append(row)
     return rows
 
 
@@ -330,7 +376,7 @@ def bench_fusion(timer: Comparison, factor: float) -> dict[str, Any]:
     }
 
 
-def bench_latency(timer: Comparison, factor: float) -> list[dict[str, Any]]:
+def bench_latency(timer: Comparison, factor: float, path: str) -> list[dict[str, Any]]:
     """One synchronous allreduce at a time: named (a repeated name is replayed by the steady
     state) and, for the smallest size, unnamed (every unnamed call is negotiated anew)."""
     rows = []
@@ -346,6 +392,12 @@ def bench_latency(timer: Comparison, factor: float) -> list[dict[str, Any]]:
         )
         hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
         extra_us = (hora_s - raw_s) * 1e6
+        if path == "shm" and nbytes == LATENCY_SIZES[0]:
+            goal = f"hora/raw time <= {SHM_LATENCY_GOAL:g}"
+            passed = hora_s / raw_s <= SHM_LATENCY_GOAL
+        else:
+            goal = f"hora - raw <= {LATENCY_EXTRA_GOAL_US:g} us"
+            passed = extra_us <= LATENCY_EXTRA_GOAL_US
         rows.append(
             {
                 "bytes": nbytes,
@@ -353,8 +405,8 @@ def bench_latency(timer: Comparison, factor: float) -> list[dict[str, Any]]:
                 "hora_s": hora_s,
                 "raw_s": raw_s,
                 "extra_us": extra_us,
-                "goal": f"hora - raw <= {LATENCY_EXTRA_GOAL_US:g} us",
-                "pass": extra_us <= LATENCY_EXTRA_GOAL_US,
+                "goal": goal,
+                "pass": passed,
                 "hora_samples_s": hora_times,
                 "raw_samples_s": raw_times,
             }
@@ -450,13 +502,16 @@ def format_table(results: dict[str, Any]) -> str:
     header = ("benchmark", "hora", "raw gloo", "hora vs raw", "goal", "result")
     rows: list[tuple[str, ...]] = []
     for row in results["allreduce_bandwidth"]:
+        goal = f">= {row['wanted']:g}x"
+        if "mpi_busbw_GBps" in row:
+            goal += f"; mpi4py {row['mpi_busbw_GBps']:.2f} GB/s ({row['mpi_ratio']:.2f}x)"
         rows.append(
             (
                 f"allreduce {size_label(row['bytes'])} busbw",
                 f"{row['hora_busbw_GBps']:.2f} GB/s",
                 f"{row['raw_busbw_GBps']:.2f} GB/s",
                 f"{row['ratio']:.3f}x",
-                f">= {BANDWIDTH_GOAL}x",
+                goal,
                 harness.verdict(row["pass"]),
             )
         )
@@ -472,13 +527,16 @@ def format_table(results: dict[str, Any]) -> str:
         )
     )
     for row in results["latency"]:
+        by_ratio = row["goal"].startswith("hora/raw")
         rows.append(
             (
                 latency_label(row),
                 duration(row["hora_s"]),
                 duration(row["raw_s"]),
-                f"{row['extra_us']:+.0f} us",
-                f"<= +{LATENCY_EXTRA_GOAL_US:.0f} us",
+                f"{row['hora_s'] / row['raw_s']:.2f}x time"
+                if by_ratio
+                else f"{row['extra_us']:+.0f} us",
+                f"<= {SHM_LATENCY_GOAL:g}x" if by_ratio else f"<= +{LATENCY_EXTRA_GOAL_US:.0f} us",
                 harness.verdict(row["pass"]),
             )
         )
@@ -494,8 +552,9 @@ def format_table(results: dict[str, Any]) -> str:
             )
         )
     title = (
-        f"hora {results['hora_version']} ({results['hora_revision']}) vs torch.distributed gloo "
-        f"(torch {results['torch_version']}), {results['world_size']} ranks, "
+        f"hora {results['hora_version']} ({results['hora_revision']}, data path "
+        f"{results['data_path']}) vs torch.distributed gloo (torch {results['torch_version']})"
+        f"{results['mpi_peer']}, {results['world_size']} ranks, "
         f"cycle time {results['cycle_time_ms']:g} ms; medians, slowest rank"
     )
     notes = (
@@ -784,6 +843,8 @@ def worker(args: argparse.Namespace) -> None:
     init_raw_group(rank, size)
     cycle_time_ms = Settings.from_env().cycle_time_ms
     check_results(size)
+    path = basics.data_path()
+    mpi = mpi_peer()
     # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
     timer = Comparison(settle_s=max(0.05, 10 * cycle_time_ms / 1000))
     results: dict[str, Any] = {
@@ -795,9 +856,11 @@ def worker(args: argparse.Namespace) -> None:
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "cycle_time_ms": cycle_time_ms,
-        "allreduce_bandwidth": bench_bandwidth(timer, args.repeats),
+        "data_path": path,
+        "mpi_peer": "" if mpi is None else f" and mpi4py ({mpi[1].Get_library_version()[:12]})",
+        "allreduce_bandwidth": bench_bandwidth(timer, args.repeats, path, mpi),
         "fusion": bench_fusion(timer, args.repeats),
-        "latency": bench_latency(timer, args.repeats),
+        "latency": bench_latency(timer, args.repeats, path),
         "small_ops": bench_small_ops(timer, args.repeats),
     }
     dist.barrier()
@@ -809,8 +872,20 @@ def worker(args: argparse.Namespace) -> None:
         if args.json:
             harness.write_json(args.json, results)
     dist.barrier()
+    if mpi is not None:
+        mpi[0].Free()
     dist.destroy_process_group()
     hvd.shutdown()
+
+
+def mpi_peer() -> tuple[Any, Any] | None:
+    """``(communicator, MPI module)`` for raw mpi4py beside hora and Gloo, when the job was
+    started by ``mpirun`` (``--with-mpi``); else ``None``."""
+    if "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Dup(), MPI
 
 
 def nccl_refusal(args: argparse.Namespace) -> str | None:

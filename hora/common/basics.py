@@ -71,6 +71,22 @@ def is_homogeneous() -> bool:
     return t.local_size * t.cross_size == t.size
 
 
+def data_path(process_set_id: int = 0) -> str:
+    """hora's own question: the path a process set's CPU collectives take (``shm`` when its
+    ranks share a host, ``hierarchical`` across hosts, ``gloo``, ``mpi``); see
+    docs/deployment.md, "Choosing a data path".
+
+    Raises:
+        ValueError: ``init`` has not been called.
+    """
+    return engine().data_path(process_set_id)
+
+
+def negotiation_path() -> str:
+    """The path negotiation's exchanges take (``shm`` or ``gloo``, ``mpi``)."""
+    return engine().data_path(-1)
+
+
 def gloo_enabled() -> bool:
     """Whether the running job moves data over Gloo (``HORA_CPU_OPERATIONS=gloo``, the
     default)."""

@@ -95,6 +95,12 @@ class Settings:
         autotune_warmup_samples: steps after each autotune change that are not measured.
         autotune_steps_per_sample: measured steps per autotune candidate.
         cpu_operations: the library of the data path and the negotiation, ``gloo`` or ``mpi``.
+        shared_memory: whether ranks of one host exchange through shared memory (Gloo path).
+        shm_slot_bytes: shared memory per rank and process set.
+        shm_arena_bytes: address space per rank and process set for repeated buffers.
+        hierarchical_allreduce: ``True``/``False`` chooses for sets spanning hosts; ``None``:
+            hora's choice.
+        hierarchical_allgather: Horovod's setting, named when set (hora has no such allgather).
         gpu_operations: how CUDA tensors move, ``nccl`` or ``host`` (through host memory).
         enable_nvtx: mark the engine's phases as NVTX ranges (a no-op without CUDA).
     """
@@ -116,6 +122,11 @@ class Settings:
     autotune_warmup_samples: int = _setting(table.AUTOTUNE_WARMUP_SAMPLES)
     autotune_steps_per_sample: int = _setting(table.AUTOTUNE_STEPS_PER_SAMPLE)
     cpu_operations: str = _setting(table.CPU_OPERATIONS)
+    shared_memory: bool = _setting(table.SHARED_MEMORY)
+    shm_slot_bytes: int = _setting(table.SHM_SLOT_BYTES)
+    shm_arena_bytes: int = _setting(table.SHM_ARENA_BYTES)
+    hierarchical_allreduce: bool | None = _setting(table.HIERARCHICAL_ALLREDUCE)
+    hierarchical_allgather: bool | None = _setting(table.HIERARCHICAL_ALLGATHER)
     gpu_operations: str = _setting(table.GPU_OPERATIONS)
     enable_nvtx: bool = _setting(table.ENABLE_NVTX)
 

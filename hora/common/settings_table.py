@@ -313,6 +313,45 @@ CPU_OPERATIONS = Variable(
     "--mpi`). See [docs/deployment.md](deployment.md#choosing-a-data-path).",
     choices=("gloo", "mpi"),
 )  # fmt: skip
+SHARED_MEMORY = Variable(
+    "SHARED_MEMORY", BOOLEAN, True,
+    "`1` (the default): ranks of a process set that share a host move data and negotiate "
+    "through shared memory (`/dev/shm`); only what crosses hosts goes over the network. `0`: "
+    "every byte over Gloo. See [docs/deployment.md](deployment.md#choosing-a-data-path).",
+    horovod=False,
+)  # fmt: skip
+SHM_SLOT_BYTES = Variable(
+    "SHM_SLOT_BYTES", INTEGER, 16 * 1024 * 1024,
+    "Shared memory each rank maps per process set, in bytes (negotiation takes 1 MiB more); "
+    "a host's ranks together map this times their number, per set. Collectives larger than a "
+    "slot run in slot-sized chunks.",
+    bounds=Bounds(low=65536), unit="bytes", horovod=False,
+    default_doc="`16777216` (16 MiB)",
+)  # fmt: skip
+SHM_ARENA_BYTES = Variable(
+    "SHM_ARENA_BYTES", INTEGER, 1024 * 1024 * 1024,
+    "Shared memory each rank may keep, per process set of one host, for the buffers of "
+    "collectives that repeat (the steady state's fused gradients), which are then reduced "
+    "where they lie, without copies. Address space only: pages are reserved as buffers are "
+    "made, and they are the memory those buffers would take anyway. A buffer that does not "
+    "fit, or finds /dev/shm full, is made in the process's own memory. `0` turns it off.",
+    bounds=NON_NEGATIVE, unit="bytes", horovod=False,
+    default_doc="`1073741824` (1 GiB)",
+)  # fmt: skip
+HIERARCHICAL_ALLREDUCE = Variable(
+    "HIERARCHICAL_ALLREDUCE", OPTIONAL_BOOLEAN, None,
+    "For a process set that spans hosts with the same number of its ranks on each: `1` "
+    "reduces within each host through shared memory, across hosts over Gloo (one shard per "
+    "local rank), and shares the result within each host; `0` reduces over one Gloo group of "
+    "every rank. Unset: hierarchical where it applies.",
+    default_doc="unset: hierarchical",
+)  # fmt: skip
+HIERARCHICAL_ALLGATHER = Variable(
+    "HIERARCHICAL_ALLGATHER", OPTIONAL_BOOLEAN, None,
+    "Read so that Horovod's setting is not silently dropped: hora's allgather across hosts "
+    "runs over one Gloo group (within a host, through shared memory); `1` is named once at "
+    "`hvd.init()`.",
+)  # fmt: skip
 GPU_OPERATIONS = Variable(
     "GPU_OPERATIONS", CHOICE, "nccl",
     "How collectives on CUDA tensors move their data: `nccl` (a NCCL group per process set, "
@@ -511,6 +550,11 @@ VARIABLES: tuple[Variable[Any], ...] = (
     LOG_LEVEL,
     LOG_HIDE_TIME,
     CPU_OPERATIONS,
+    SHARED_MEMORY,
+    SHM_SLOT_BYTES,
+    SHM_ARENA_BYTES,
+    HIERARCHICAL_ALLREDUCE,
+    HIERARCHICAL_ALLGATHER,
     GPU_OPERATIONS,
     ENABLE_NVTX,
     GLOO_IFACE,

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Protocol
 
 from hora.common import settings_table as table
+from hora.common.job.shm_names import sweep_job
 from hora.runner import options
 from hora.runner.hosts import Slot
 from hora.runner.options import HostOptions, LaunchOptions, OutputOptions
@@ -197,8 +198,11 @@ class Job:
         )
 
     def close(self) -> None:
-        """Stop the workers still running and close the store."""
+        """Stop the workers still running, remove the shared-memory segments a killed worker
+        of this machine left (see :mod:`hora.common.job.shm_names`) and close the store."""
         self.supervisor.stop()
+        for path in sweep_job(self.server.secret):
+            logger.info("removed %s, left by a worker that was killed", path)
         self.server.close()
 
     def __enter__(self) -> Job:

@@ -138,9 +138,12 @@ def mpirun_command(
 
 
 def worker_variables(launch: LaunchOptions) -> dict[str, str]:
-    """What every worker gets besides the environment mpirun passes on by itself."""
+    """What every worker gets besides the environment mpirun passes on by itself: the flags'
+    settings, and hora's collectives over MPI unless ``HORA_CPU_OPERATIONS`` (in the
+    environment) asks for hora's own paths beside an MPI job (to run mpi4py code of one's own
+    next to hora's collectives, say)."""
     variables = dict(launch.engine_env)
-    variables[table.CPU_OPERATIONS.env] = "mpi"
+    variables[table.CPU_OPERATIONS.env] = os.environ.get(table.CPU_OPERATIONS.env) or "mpi"
     variables["PYTHONUNBUFFERED"] = "1"
     return variables
 

@@ -26,17 +26,34 @@ def _ssh() -> str:
     return (result.stderr or result.stdout).strip().splitlines()[0]
 
 
-def _loopback_allreduce() -> float:
-    """Runs on each of the check's workers: one summed allreduce."""
+def _shared_memory() -> str:
+    """Whether ranks on this machine can exchange through shared memory, and the room for it."""
+    import os
+
+    from hora.common.job.shm_names import SHM_DIR
+    from hora.common.transport.shm_segment import supported
+
+    why_not = supported()
+    if why_not is not None:
+        return f"not usable ({why_not}): ranks on this machine exchange over Gloo"
+    room = os.statvfs(SHM_DIR)
+    free = room.f_bavail * room.f_frsize / 2**30
+    return f"usable ({SHM_DIR}, {free:.1f} GiB free): ranks on one host exchange through it"
+
+
+def _loopback_allreduce() -> tuple[float, str]:
+    """Runs on each of the check's workers: one summed allreduce, and the data path it took."""
     import importlib
 
     import torch
+
+    from hora.common import basics
 
     hvd: Any = importlib.import_module("hora.torch")
     hvd.init()
     try:
         total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum, name="hora.doctor")
-        return float(total.item())
+        return float(total.item()), basics.data_path()
     finally:
         hvd.shutdown()
 
@@ -59,9 +76,11 @@ def loopback_check(np: int = 2, timeout_s: float = 120.0) -> CheckResult:
     except Exception as exc:  # reported to the user as a failed check
         return CheckResult(False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
     seconds = time.monotonic() - start
-    if results != [expected] * np:
-        return CheckResult(False, seconds, f"expected {[expected] * np}, got {results}")
-    return CheckResult(True, seconds, f"every rank got {expected:g}")
+    totals = [total for total, _ in results]
+    if totals != [expected] * np:
+        return CheckResult(False, seconds, f"expected {[expected] * np}, got {totals}")
+    paths = sorted({path for _, path in results})
+    return CheckResult(True, seconds, f"every rank got {expected:g}, data path {'/'.join(paths)}")
 
 
 def doctor(np: int = 2, run_check: bool = True, timeout_s: float = 120.0) -> int:
@@ -77,6 +96,7 @@ def doctor(np: int = 2, run_check: bool = True, timeout_s: float = 120.0) -> int
     print("\nDetails:")
     for capability in [*frameworks()[1:2], *transports()]:
         print(f"    {capability.name + ':':<9} {capability.detail}")
+    print(f"    {'shm:':<9} {_shared_memory()}")
     print(f"    {'ssh:':<9} {_ssh()}")
     if not run_check:
         return 0

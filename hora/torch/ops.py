@@ -54,8 +54,20 @@ class _Differentiable(torch.autograd.Function):
         return (None, None, *ctx.backward_half(ctx, grads))
 
 
+class _NoGradient:
+    """What a collective's forward half gets as ``ctx`` when no gradient will flow back."""
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+
 def _differentiable(forward: _Half, backward: _Half, tensors: Sequence[torch.Tensor]) -> Any:
-    return _Differentiable.apply(forward, backward, *tensors)
+    # autograd's Function.apply costs tens of microseconds a call; a call whose result cannot
+    # carry a gradient (none of its inputs requires one, or gradients are off) skips it, and
+    # its result is what apply would have given.
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _Differentiable.apply(forward, backward, *tensors)
+    return tuple(forward(_NoGradient(), tensors))
 
 
 def _contiguous(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -31,6 +31,7 @@ import time
 import torch
 
 import hora.torch as hvd
+from hora.common import basics
 from hora.common.job import rounds as protocol
 
 SAMPLES = 48
@@ -166,6 +167,7 @@ def main() -> None:
             "weight": net.weight.detach().reshape(-1).tolist(),
             "bias": net.bias.detach().tolist(),
             "size": hvd.size(),
+            "path": basics.data_path(),
             "round": protocol.progress.plan.number if protocol.progress.plan else 0,
         }
         with open(os.environ["ELASTIC_RESULT"], "w") as f:

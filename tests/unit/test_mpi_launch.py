@@ -40,6 +40,15 @@ def test_open_mpi_gets_slots_tags_and_the_variables(monkeypatch: pytest.MonkeyPa
     assert {"HORA_CPU_OPERATIONS=mpi", "HORA_CYCLE_TIME=3", "PYTHONUNBUFFERED=1"} <= pairs
 
 
+def test_hora_keeps_its_own_paths_under_mpirun_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HORA_CPU_OPERATIONS", raising=False)
+    assert mpi_launch.worker_variables(_parse("-np", "2"))["HORA_CPU_OPERATIONS"] == "mpi"
+    monkeypatch.setenv("HORA_CPU_OPERATIONS", "gloo")
+    assert mpi_launch.worker_variables(_parse("-np", "2"))["HORA_CPU_OPERATIONS"] == "gloo"
+
+
 def test_open_mpi_as_root_with_hosts_ssh_and_extra_arguments(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

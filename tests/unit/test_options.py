@@ -102,8 +102,9 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path: Path) -> Non
     assert env["HORA_GLOO_TIMEOUT_SECONDS"] == "90"
     assert env["HORA_LOG_LEVEL"] == "INFO"
     assert env["HORA_LOG_HIDE_TIME"] == "0"
+    assert env["HORA_HIERARCHICAL_ALLREDUCE"] == "1"
     said = "\n".join(args.notes)
-    assert "--hierarchical-allreduce has no effect" in said
+    assert "--hierarchical-allreduce" not in said
     assert "--num-nccl-streams has no effect" in said
     assert "--autotune" not in said  # enabled: false asks for nothing
 
@@ -239,8 +240,10 @@ def test_every_horovodrun_flag_is_accepted() -> None:
         "--no-hierarchical-allreduce", "--no-autotune", "--stall-check", "--gloo",
     ]  # fmt: skip
     args = parse(["-np", "1", *flags, *COMMAND])
-    # --gloo, --mpi-args and --binding-args act (the last two with --mpi): not noted as inert.
-    assert len(args.notes) >= 8
+    # --gloo, --mpi-args, --binding-args and the hierarchical switches act: not noted as inert.
+    assert len(args.notes) >= 7
+    assert args.engine_env["HORA_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert args.engine_env["HORA_HIERARCHICAL_ALLGATHER"] == "1"
     assert (args.mpi.args, args.mpi.binding_args) == ("--bind-to none", "x")
     env = args.engine_env
     assert env["HORA_AUTOTUNE"] == "0"  # --no-autotune came last

@@ -254,7 +254,12 @@ class Cycle:
         if not executor.traces_itself and tracer.timeline is not None:
             end = tracer.now()
             tracer.collective(
-                entries, head.kind.name, number, (start, start, end, end), head.num_bytes
+                entries,
+                head.kind.name,
+                number,
+                (start, start, end, end),
+                head.num_bytes,
+                run.comm.path,
             )
 
     def _reduce_carried(self, response: Response, carried: list[dict[Key, bytes]]) -> bool:
@@ -283,7 +288,8 @@ class Cycle:
         if tracer.timeline is not None:
             end = tracer.now()
             nbytes = result.numel() * result.element_size()
-            tracer.collective([entry], "ALLREDUCE", number, (start, start, end, end), nbytes)
+            times = (start, start, end, end)
+            tracer.collective([entry], "ALLREDUCE", number, times, nbytes, "exchange")
         return True
 
     def _change_process_set(self, response: Response) -> None:

@@ -266,6 +266,13 @@ class Engine:
     def autotuner(self) -> Autotuner | None:
         return self.replay.autotuner
 
+    def data_path(self, set_id: int = 0) -> str:
+        """The data path of process set ``set_id``'s CPU collectives (``shm``, ``gloo``,
+        ``hierarchical``, ``mpi``), and of negotiation (``control``)."""
+        if set_id < 0:
+            return self._communicators.control.path
+        return self._communicators.of_set(set_id).path
+
     @property
     def _device_communicators(self) -> dict[int, Communicator]:
         """The GPU communicators made so far, by process set (tests/multiproc/test_cuda.py

@@ -35,7 +35,7 @@ from hora.common.engine.finisher import Finisher
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.tracing import Tracer
 from hora.common.message import ReduceOp, RequestType, Response
-from hora.common.transport import Communicator
+from hora.common.transport import FINISHED, Communicator
 
 
 @dataclass
@@ -151,6 +151,7 @@ class Allreduce:
         on_the_wire = tracer.begin("ALLREDUCE")
         pending = run.comm.allreduce_async(work, work_op)
         number = run.number
+        path = run.comm.path
 
         def complete() -> None:
             done = tracer.now()
@@ -168,8 +169,11 @@ class Allreduce:
             if tracer.timeline is not None:
                 times = (started, issued, done, tracer.now())
                 nbytes = flat.numel() * flat.itemsize
-                tracer.collective(entries, "ALLREDUCE", number, times, nbytes)
+                tracer.collective(entries, "ALLREDUCE", number, times, nbytes, path)
 
+        if pending is FINISHED and not run.finisher.busy:
+            complete()  # done already, and nothing earlier is still completing
+            return
         run.finisher.add(pending, complete, [e for e in entries if e is not None])
 
 
@@ -212,9 +216,8 @@ class AdasumAllreduce:
         copy_out_pieces(run.entries, work.to(device=inputs[0].device, dtype=dtype), counts)
         if tracer.timeline is not None:
             times = (started, issued, done, tracer.now())
-            tracer.collective(
-                run.entries, "ADASUM", run.number, times, work.numel() * work.itemsize
-            )
+            nbytes = work.numel() * work.itemsize
+            tracer.collective(run.entries, "ADASUM", run.number, times, nbytes, run.host_comm.path)
 
 
 class Allgather:

@@ -101,5 +101,9 @@ class Finisher(threading.Thread):
                 self._items.popleft()
                 idle = not self._items
                 self._cv.notify_all()
+            # Let go of the completed collective while the next is awaited: its buffer may be a
+            # view of a caller's tensor, which may adopt memory only where nothing else refers
+            # to it (see owns_its_memory).
+            del pending, complete, entries
             if idle:
                 self._on_idle()

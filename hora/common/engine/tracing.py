@@ -148,18 +148,22 @@ class Tracer:
         number: int,
         times: tuple[int, int, int, int],
         nbytes: int,
+        path: str = "",
     ) -> None:
         """A batch's copy in, collective and copy out, on each of its tensors' rows.
 
         Args:
             times: batch start, collective start, collective end, results delivered.
+            path: the data path it took (the communicator's, ``exchange`` for a small
+                allreduce carried in negotiation's exchange).
         """
         timeline = self.timeline
         if timeline is None:
             return
         start, issued, done, end = times
         batch = f'{{"batch":{number}}}'
-        detail = f'{{"batch":{number},"tensors":{len(entries)},"bytes":{nbytes}}}'
+        where = f',"path":"{path}"' if path else ""
+        detail = f'{{"batch":{number},"tensors":{len(entries)},"bytes":{nbytes}{where}}}'
         for entry in entries:
             if entry is None:
                 continue

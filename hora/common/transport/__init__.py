@@ -36,6 +36,20 @@ class Pending(Protocol):
         """
 
 
+class _Finished:
+    """An operation that was done by the time it was started (see :data:`FINISHED`)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return True
+
+
+# What ``allreduce_async`` returns when it ran the operation on the calling thread; the engine
+# then completes it there too, rather than handing it to its finisher.
+FINISHED: Pending = _Finished()
+
+
 class Communicator(Protocol):
     """Collectives among the members of one process set.
 
@@ -47,6 +61,9 @@ class Communicator(Protocol):
     rank: int
     size: int
     device: torch.device
+    # The data path, as the timeline and ``hora doctor`` name it: ``gloo``, ``shm``,
+    # ``hierarchical``, ``mpi``, ``nccl``, ``local``.
+    path: str
 
     def allreduce(self, buffer: Any, op: ReduceOp) -> None:
         """Reduce ``buffer`` element-wise across members, in place (Sum, Min, Max or Product)."""
@@ -89,6 +106,15 @@ class Communicator(Protocol):
         """Fail every operation in flight, now, so blocked callers return."""
 
 
+def repeated_buffer(comm: Communicator, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of ``numel`` elements for a collective that runs again and again (a steady-state
+    batch): where the communicator offers one (shared memory's ``arena_buffer``), in memory it
+    reduces where it lies, without copies; else a plain tensor on its device."""
+    offer = getattr(comm, "arena_buffer", None)
+    made = offer(numel, dtype) if offer is not None else None
+    return made if made is not None else torch.empty(numel, dtype=dtype, device=comm.device)
+
+
 def allgather_bytes(comm: Communicator, data: bytes) -> list[bytes]:
     """Every member's ``data`` (the same length on every member), in member order.
 
@@ -97,6 +123,10 @@ def allgather_bytes(comm: Communicator, data: bytes) -> list[bytes]:
     ``size - 1`` ring steps. For the few hundred bytes of a negotiation header between two
     processes, one exchange costs about half of Gloo's allgather. Other sizes use the allgather.
     """
+    exchange = getattr(comm, "exchange", None)
+    if exchange is not None:
+        gathered_bytes: list[bytes] = exchange(data)
+        return gathered_bytes
     size, rank, length = comm.size, comm.rank, len(data)
     gathered = torch.empty(size * length, dtype=torch.uint8)
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if length else gathered[:0]

@@ -49,11 +49,15 @@ def cpu_communicators(
     bind = "127.0.0.1" if topology.all_local and not interface else ""
     device = make_device(bind, interface)
 
-    def factory(scope: str, rank: int, size: int) -> Communicator:
+    def gloo(scope: str, rank: int, size: int) -> Communicator:
         comm = GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
         return _proved(comm, store, scope)
 
-    return factory
+    if not settings.shared_memory:
+        return gloo
+    from hora.common.transport.paths import PathChooser
+
+    return PathChooser(topology, settings, store, gloo).communicator
 
 
 def _proved(comm: Communicator, store: StoreClient, scope: str) -> Communicator:

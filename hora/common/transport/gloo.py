@@ -71,6 +71,8 @@ class GlooCommunicator(ProcessGroupCommunicator):
         device: the Gloo device from :func:`make_device`.
     """
 
+    path = "gloo"
+
     def __init__(self, store: Any, rank: int, size: int, timeout_s: float, device: Any) -> None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)

@@ -58,6 +58,8 @@ class _Done:
 class LocalCommunicator:
     """Member ``rank`` of an in-process group (see :func:`local_group`)."""
 
+    path = "local"
+
     def __init__(self, shared: _Shared, rank: int) -> None:
         self._shared = shared
         self.rank = rank

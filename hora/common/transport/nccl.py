@@ -145,6 +145,8 @@ class NCCLCommunicator(ProcessGroupCommunicator):
         TransportError: the group could not be made or connected.
     """
 
+    path = "nccl"
+
     def __init__(
         self,
         store: Any,

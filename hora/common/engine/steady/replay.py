@@ -393,7 +393,8 @@ class Replay:
             self._tracer.waited_for_batch(finished, flight.started)
             times = (flight.started, flight.issued, done, timeline.now())
             nbytes = data.numel() * data.itemsize
-            self._tracer.collective(finished, "ALLREDUCE", flight.number, times, nbytes)
+            path = schedule.comms[flight.position].path
+            self._tracer.collective(finished, "ALLREDUCE", flight.number, times, nbytes, path)
         if flight.position == len(schedule.batches) - 1:
             self._period_finished(schedule)
 

@@ -30,7 +30,7 @@ from hora.common.engine.buffers import (
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.steady.schedule import FOLLOWING, Schedule
 from hora.common.message import ReduceOp, Request
-from hora.common.transport import Communicator
+from hora.common.transport import Communicator, repeated_buffer
 
 
 def allocate(schedule: Schedule, comm_for: Callable[[str], Communicator], ranks: int) -> None:
@@ -40,7 +40,7 @@ def allocate(schedule: Schedule, comm_for: Callable[[str], Communicator], ranks:
     # after the data, one slot per rank for its code (see hora.common.engine.steady.schedule).
     for batch, counts in zip(schedule.batches, schedule.sizes):
         comm = comm_for(batch[0].device)
-        batch_buffer = _batch_buffer(batch, counts, ranks, comm.device)
+        batch_buffer = _batch_buffer(batch, counts, ranks, comm)
         schedule.comms.append(comm)
         schedule.batch_buffers.append(batch_buffer)
         schedule.pieces.update(batch_buffer.pieces)
@@ -71,10 +71,7 @@ def claim(schedule: Schedule, number: int, ranks: int) -> bool:
     allocated = False
     if spare is None or _in_use(spare):
         spare = _batch_buffer(
-            schedule.batches[number],
-            schedule.sizes[number],
-            ranks,
-            schedule.comms[number].device,
+            schedule.batches[number], schedule.sizes[number], ranks, schedule.comms[number]
         )
         allocated = True
     schedule.batch_buffers[number] = spare
@@ -231,12 +228,13 @@ class BatchBuffer(NamedTuple):
 
 
 def _batch_buffer(
-    batch: list[Request], counts: list[int], ranks: int, device: torch.device
+    batch: list[Request], counts: list[int], ranks: int, comm: Communicator
 ) -> BatchBuffer:
-    """Allocate a batch's buffer on ``device``: its tensors' data, then one slot per rank for
+    """Allocate a batch's buffer where ``comm`` reduces it best (in shared memory, where the
+    ranks share a host; see ``repeated_buffer``): its tensors' data, then one slot per rank for
     its code."""
     total = sum(counts)
-    buffer = torch.empty(total + ranks, dtype=torch_dtype(batch[0].dtype), device=device)
+    buffer = repeated_buffer(comm, total + ranks, torch_dtype(batch[0].dtype))
     pieces = {}
     offset = 0
     for request, count in zip(batch, counts):

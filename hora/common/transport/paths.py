@@ -1,0 +1,111 @@
+"""Which data path a process set takes, chosen once when its communicator is made.
+
+- Every member on one host (and ``/dev/shm`` works there): shared memory
+  (:class:`~hora.common.transport.shm.ShmCommunicator`) for data and negotiation alike.
+- Members on several hosts, the same number on each: the hierarchical allreduce
+  (:class:`~hora.common.transport.hierarchical.HierarchicalCommunicator`: shared memory within
+  each host, Gloo across), unless ``HORA_HIERARCHICAL_ALLREDUCE=0``; other collectives over one
+  Gloo group.
+- Otherwise (one member per host, uneven hosts, shared memory unusable or turned off): one Gloo
+  group, as before. Why shared memory was not used is logged once, by the set's first member.
+
+Every member of a set takes the same path: they agree through the job's store
+(:mod:`.local_groups`). Negotiation's control communicator takes a smaller slot.
+
+This module decides and builds; it knows communicators, settings and the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from hora.common.config import Settings
+from hora.common.job.store import StoreClient
+from hora.common.job.topology import Topology
+from hora.common.transport import Communicator
+from hora.common.transport.hierarchical import HierarchicalCommunicator
+from hora.common.transport.local_groups import Grouping, group_members, map_segment
+from hora.common.transport.shm import ShmCommunicator
+
+logger = logging.getLogger("hora")
+
+# Negotiation's messages are small: its communicator's slot.
+CONTROL_SLOT_BYTES = 1 << 20
+
+
+class PathChooser:
+    """Makes each process set's communicator on the path that suits its members.
+
+    Args:
+        topology: where this process sits in the job.
+        settings: the engine's settings (shared memory on or off, slot size, hierarchical).
+        store: the job's store, through which members agree.
+        gloo: makes a Gloo communicator for ``(scope, rank, size)``.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        settings: Settings,
+        store: StoreClient,
+        gloo: Callable[[str, int, int], Communicator],
+    ) -> None:
+        self._topology = topology
+        self._settings = settings
+        self._store = store
+        self._gloo = gloo
+        self._told = False
+
+    def communicator(self, scope: str, rank: int, size: int) -> Communicator:
+        """The communicator of the set ``scope`` for this member (``rank`` of ``size``)."""
+        if size == 1:
+            return self._gloo(scope, rank, size)
+        timeout_s = self._settings.gloo_timeout_s
+        grouping = group_members(self._store, scope, rank, size, timeout_s)
+        if not grouping.shared:
+            return self._gloo(scope, rank, size)
+        several_hosts = len(grouping.groups) > 1
+        if several_hosts and not self._hierarchical(rank, grouping):
+            return self._gloo(scope, rank, size)
+        slot = self._settings.shm_slot_bytes
+        # Buffers kept for repeated collectives (see ShmCommunicator.arena_buffer): for the
+        # data of a set whose members all share this host.
+        arena = 0 if several_hosts else self._settings.shm_arena_bytes
+        if scope.endswith("/control") or scope == "control":
+            slot, arena = min(slot, CONTROL_SLOT_BYTES), 0
+        segment, why = map_segment(self._store, scope, grouping, rank, slot, arena, timeout_s)
+        if segment is None:
+            if why:
+                self._tell(rank, f"shared memory is not used ({why}); the ranks exchange over Gloo")
+            return self._gloo(scope, rank, size)
+        local = ShmCommunicator(segment, timeout_s)
+        if not several_hosts:
+            return local
+        flat = self._gloo(scope, rank, size)
+        group = grouping.group_of[rank]
+        local_rank = grouping.groups[group].index(rank)
+        peers = [members[local_rank] for members in grouping.groups]
+        cross = self._gloo(f"{scope}/cross{local_rank}", peers.index(rank), len(peers))
+        return HierarchicalCommunicator(flat, local, cross)
+
+    def _hierarchical(self, rank: int, grouping: Grouping) -> bool:
+        """Whether a set spread over several hosts reduces hierarchically: by default and when
+        asked, if every host runs as many of its members; else over one Gloo group."""
+        wanted = self._settings.hierarchical_allreduce
+        if wanted is False:
+            return False
+        if not grouping.uniform:
+            if wanted:
+                self._tell(
+                    rank,
+                    "HORA_HIERARCHICAL_ALLREDUCE=1, but the process set's hosts run different "
+                    "numbers of its ranks; it reduces over one Gloo group",
+                )
+            return False
+        return True
+
+    def _tell(self, rank: int, message: str) -> None:
+        if rank == 0 and not self._told:
+            logger.warning("rank %d: %s.", self._topology.rank, message)
+            self._told = True
