@@ -429,22 +429,7 @@ class ShmCommunicator:
         return self._scratch[:nbytes].view(like.dtype)
 
     def allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
-        self._now(lambda: self._allgather(outputs, buffer))
-
-    def _allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
-        deadline = self._deadline()
-        self._fence(deadline)
-        source = _bytes(buffer)
-        targets = [_bytes(out) for out in outputs]
-        step = self._segment.slot_bytes
-        own = self._slots[self.rank]
-        for start in range(0, max(source.numel(), 1), step):
-            count = min(step, source.numel() - start)
-            own[:count].copy_(source[start : start + count])
-            self._barrier(deadline)
-            for member, target in enumerate(targets):
-                target[start : start + count].copy_(self._slots[member][:count])
-            self._barrier(deadline)
+        self._now(lambda: self.allgather_step(outputs, buffer))
 
     def broadcast(self, buffer: torch.Tensor, root: int) -> None:
         self._now(lambda: self._broadcast(buffer, root))
@@ -526,7 +511,7 @@ class ShmCommunicator:
         # Every member learns every member's sizes, so that all agree on the rounds' chunks.
         sizes = torch.tensor(sent, dtype=torch.int64)
         table = torch.empty(self.size * self.size, dtype=torch.int64)
-        self._allgather(list(table.split(self.size)), sizes)
+        self.allgather_step(list(table.split(self.size)), sizes)
         matrix = table.view(self.size, self.size).tolist()
         source, target = _bytes(buffer), _bytes(output)
         sent_at = _offsets(sent)
@@ -589,7 +574,7 @@ class ShmCommunicator:
         if len(data) > half_bytes:
             self._fence(deadline)
             outputs = [torch.empty(len(data), dtype=torch.uint8) for _ in range(self.size)]
-            self._allgather(outputs, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            self.allgather_step(outputs, torch.frombuffer(bytearray(data), dtype=torch.uint8))
             return [o.numpy().tobytes() for o in outputs]
         offset = self._half * half_bytes
         self._half ^= 1
@@ -613,8 +598,9 @@ class ShmCommunicator:
         self._reducescatter(output, chunks, op)
 
     def allgather_step(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
-        """Gather every member's ``buffer`` into ``outputs[member]``, from within :meth:`start`'s
-        steps; the members' buffers may differ in size (``outputs`` says how)."""
+        """Gather every member's ``buffer`` into ``outputs[member]`` (what :meth:`allgather`
+        runs, and a step of :meth:`start`'s); the members' buffers may differ in size
+        (``outputs`` says how)."""
         deadline = self._deadline()
         self._fence(deadline)
         source = _bytes(buffer)
