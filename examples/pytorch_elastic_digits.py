@@ -21,7 +21,8 @@ What makes it elastic, compared with examples/pytorch_digits.py:
 * ``hvd.elastic.TorchState`` holds the model, the optimizer, the sampler and the counters, and
   ``state.commit()`` (every ``--commit-every`` batches) is the point a failure rolls back to;
 * ``hvd.elastic.ElasticSampler`` shards the training set and, when the world changes, shards
-  only what this epoch has not yet processed, so no sample is skipped or repeated;
+  only what this epoch has not yet processed, so no sample is skipped (as Horovod's, it repeats
+  a few samples so that every worker gets as many);
 * a reset callback scales the learning rate to the new number of workers;
 * optionally, ``commit_dir`` makes the commits durable, so even losing every worker loses only the
   steps since the last commit.
@@ -75,21 +76,16 @@ def train_epoch(
 ) -> None:
     """Train on this rank's shard of the epoch, from the batch the state is at."""
     model.train()
+    # The sampler gives every rank the same number of samples (it repeats a few to make the
+    # epoch divide by the number of workers), so every rank runs the same number of steps.
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
-    # After a change of world size the shards can differ by a sample, hence by one
-    # batch: every rank runs the longest count, a rank without data adds nothing.
-    longest = hvd.allreduce(torch.tensor([float(len(loader))]), op=hvd.Max, name="steps")
-    batches = iter(loader)
-    for step in range(int(longest.item())):
+    for step, (images, labels) in enumerate(loader):
         where = (hvd.rank(), state.epoch, state.batch)
         if args.demo_failure and hvd.elastic.round_number() == 0 and where == (2, 1, 12):
             print("rank 2: killing myself (--demo-failure)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.zero_grad()
-        batch = next(batches, None)
-        if batch is not None:
-            images, labels = batch
-            F.cross_entropy(model(images), labels).backward()
+        F.cross_entropy(model(images), labels).backward()
         optimizer.step()
         state.sampler.record_batch(step, args.batch_size)
         state.batch += 1

@@ -103,7 +103,8 @@ def main() -> None:
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=LR), named_parameters=net.named_parameters()
     )
-    sampler = hvd.elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3)
+    # Exact shares (no sample repeated), in lockstep: the history checks every sample once.
+    sampler = hvd.elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3, pad=False)
     state = hvd.elastic.TorchState(
         model=net, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, history=[]
     )

@@ -131,3 +131,87 @@ def test_a_host_added_mid_run_grows_the_world(tmp_path: Path) -> None:
     _check_history(result)
     sizes = {len(batches) for _, batches in result["history"]}
     assert sizes == {2, 3}, sizes
+
+
+# An elastic loop as Horovod's examples write it: a DataLoader over the ElasticSampler, iterated
+# to its end on every rank, on a data set whose length does not divide by the number of workers.
+HOROVOD_STYLE = """
+import json, os, signal, sys
+import torch
+import hora.torch as hvd
+from hora.common.job import rounds
+
+SAMPLES, BATCH, EPOCHS = 97, 4, 2
+hvd.init()
+torch.manual_seed(0)
+x = torch.randn(SAMPLES, 3)
+y = x.sum(dim=1, keepdim=True)
+model = torch.nn.Linear(3, 1)
+optimizer = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+)
+sampler = hvd.elastic.ElasticSampler(range(SAMPLES), shuffle=True, seed=1)
+loader = torch.utils.data.DataLoader(range(SAMPLES), batch_size=BATCH, sampler=sampler)
+state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, seen=[])
+kill = os.environ.get("KILL_WORKER", "")
+me = os.environ.get(rounds.WORKER_ID_VAR, "")
+
+
+@hvd.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, EPOCHS):
+        for step, indices in enumerate(loader):
+            first_round = hvd.elastic.round_number() == 0
+            if kill == me and first_round and (state.epoch, step) == (0, 5):
+                os.kill(os.getpid(), signal.SIGKILL)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[indices]), y[indices]).backward()
+            optimizer.step()
+            state.seen.append(sorted(set(sum(hvd.allgather_object(indices.tolist()), []))))
+            state.sampler.record_batch(step, BATCH)
+            if step % 3 == 0:
+                state.commit()
+        state.sampler.set_epoch(state.epoch + 1)
+        state.commit()
+
+
+train(state)
+if hvd.rank() == 0:
+    with open(os.environ["RESULT"], "w") as out:
+        json.dump({"size": hvd.size(), "seen": state.seen}, out)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("lose_a_worker", [False, True])
+def test_horovods_elastic_loop_over_an_uneven_data_set_runs_to_the_end(
+    tmp_path: Path, lose_a_worker: bool
+) -> None:
+    worker = tmp_path / "horovod_style.py"
+    worker.write_text(HOROVOD_STYLE)
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"] if lose_a_worker else ["127.0.0.1:2"]
+    script, _ = _discovery(tmp_path, hosts)
+    np = "3" if lose_a_worker else "2"
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "RESULT": str(tmp_path / "result.json"),
+        "HORA_ELASTIC_TIMEOUT": "60",
+        "KILL_WORKER": "127.0.0.3:0" if lose_a_worker else "",
+    }
+    command = [*HORARUN, "--host-discovery-script", str(script), "-np", np, "--min-np", "2"]
+    job = subprocess.Popen(
+        [*command, sys.executable, str(worker)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    code, _out, err = _finish(job, timeout=200)
+    assert code == 0, err[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["size"] == 2
+    # Every committed step saw every rank's batch; each epoch covered the whole data set.
+    covered = set().union(*(set(step) for step in result["seen"]))
+    assert covered == set(range(97))

@@ -522,7 +522,9 @@ def test_sampler_shuffles_by_epoch_and_seed_the_same_on_every_rank() -> None:
     def shards(epoch: int, seed: int = 0, shuffle: bool = True) -> list[list[int]]:
         out = []
         for rank in range(3):
-            sampler = ElasticSampler(data, shuffle=shuffle, seed=seed, num_replicas=3, rank=rank)
+            sampler = ElasticSampler(
+                data, shuffle=shuffle, seed=seed, pad=False, num_replicas=3, rank=rank
+            )
             sampler.set_epoch(epoch)
             out.append(list(sampler))
         return out
@@ -539,27 +541,49 @@ def test_sampler_shuffles_by_epoch_and_seed_the_same_on_every_rank() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_sampler_gives_every_rank_as_many_samples_as_horovods_does() -> None:
+    # 97 samples on 2 ranks: 49 each, one sample repeated (the first of the permutation).
+    samplers = [ElasticSampler(range(97), seed=2, num_replicas=2, rank=r) for r in range(2)]
+    shares = [list(s) for s in samplers]
+    assert [len(s) for s in samplers] == [49, 49] and [len(s) for s in shares] == [49, 49]
+    assert all(s.num_samples == 49 and s.total_size == 98 for s in samplers)
+    together = shares[0] + shares[1]
+    assert sorted(set(together)) == list(range(97))
+    assert len(together) - len(set(together)) == 1
+    # Batches of 4: 13 on each rank, so a plain `for batch in loader` stays in step.
+    assert {s.num_batches(4) for s in samplers} == {13}
+    # At most n - 1 repeats, even when fewer samples are left than ranks.
+    tiny = [list(ElasticSampler(range(2), num_replicas=3, rank=r)) for r in range(3)]
+    assert [len(t) for t in tiny] == [1, 1, 1] and sorted(sum(tiny, [])) in ([0, 0, 1], [0, 1, 1])
+    samplers[0].record_batch(0, 4)
+    assert samplers[0].processed_indices == set(samplers[0]._order[:8])
+
+
+@pytest.mark.timeout(30)
 def test_sampler_len_is_this_ranks_share_without_padding() -> None:
-    lengths = [len(ElasticSampler(range(10), num_replicas=4, rank=r)) for r in range(4)]
+    def exact(size: int, replicas: int, rank: int) -> ElasticSampler:
+        return ElasticSampler(range(size), pad=False, num_replicas=replicas, rank=rank)
+
+    lengths = [len(exact(10, 4, r)) for r in range(4)]
     assert lengths == [3, 3, 2, 2]
-    sampler = ElasticSampler(range(10), num_replicas=4, rank=0)
+    sampler = exact(10, 4, 0)
     sampler.record_batch(0, 2)  # 8 of 10 done
     assert len(sampler) == 3  # __len__ changes only at a reset
     sampler.reset()
     assert len(sampler) == 1
-    assert [len(ElasticSampler(range(2), num_replicas=3, rank=r)) for r in range(3)] == [1, 1, 0]
+    assert [len(exact(2, 3, r)) for r in range(3)] == [1, 1, 0]
 
 
 @pytest.mark.timeout(30)
 def test_sampler_num_batches_is_the_largest_shares_count_on_every_rank() -> None:
-    # 10 samples on 4 ranks: shares of 3, 3, 2, 2; rank 0's is a largest.
+    # 10 samples on 4 ranks, exact shares: 3, 3, 2, 2; rank 0's is a largest.
     for batch_size, expected in [(1, 3), (2, 2), (3, 1), (4, 1)]:
         counts = {
-            ElasticSampler(range(10), num_replicas=4, rank=r).num_batches(batch_size)
+            ElasticSampler(range(10), pad=False, num_replicas=4, rank=r).num_batches(batch_size)
             for r in range(4)
         }
         assert counts == {expected}, batch_size
-    sampler = ElasticSampler(range(10), num_replicas=4, rank=3)
+    sampler = ElasticSampler(range(10), pad=False, num_replicas=4, rank=3)
     sampler.record_batch(0, 2)
     sampler.reset()
     assert sampler.num_batches(2) == 1  # 2 samples left: one batch on ranks 0 and 1
@@ -626,7 +650,7 @@ def test_sampler_processes_every_sample_exactly_once_when_the_world_changes_mid_
 ) -> None:
     data = list(range(dataset_size))
     batch_size = 3
-    epoch_order = ElasticSampler(data, seed=9, num_replicas=1, rank=0)
+    epoch_order = ElasticSampler(data, seed=9, pad=False, num_replicas=1, rank=0)
     epoch_order.set_epoch(2)
     permutation = list(epoch_order)
     consumed: list[int] = []
@@ -634,7 +658,7 @@ def test_sampler_processes_every_sample_exactly_once_when_the_world_changes_mid_
     for size, batches in changes:
         samplers = []
         for rank in range(size):
-            sampler = ElasticSampler(data, seed=9, num_replicas=size, rank=rank)
+            sampler = ElasticSampler(data, seed=9, pad=False, num_replicas=size, rank=rank)
             sampler.load_state_dict(committed)  # what TorchState.sync gives every rank
             samplers.append(sampler)
         shares = [list(s) for s in samplers]

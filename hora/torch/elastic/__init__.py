@@ -73,11 +73,12 @@ Semantics worth knowing (see each object's documentation):
 
 * ``hvd.elastic.run`` always synchronizes after a reset; ``HostsUpdatedInterrupt.skip_sync``
   is kept for compatibility and ignored (Horovod issue #3494).
-* :class:`ElasticSampler` never pads or repeats: no sample is skipped or seen twice within an
-  epoch, even across resets; ranks may get one sample, so one batch, more than others, which
-  is why the loop above runs ``num_batches`` steps on every rank. (The alternative, a plain
-  ``for batch in loader`` followed by ``hvd.join(); state.commit(); state.sync()``, is
-  described in :mod:`hora.torch.elastic.sampler`.)
+* :class:`ElasticSampler` pads as Horovod's does: every rank gets the same number of samples
+  (at most ``size - 1`` are repeated), so a plain ``for batch in loader`` stays in step, and no
+  sample is skipped across resets. With ``pad=False`` no sample is repeated either, but ranks
+  may get one sample, so one batch, more than others: the loop above, which runs
+  ``num_batches`` steps on every rank, suits both (the alternative, ``hvd.join(); state.commit();
+  state.sync()`` after the epoch, is described in :mod:`hora.torch.elastic.sampler`).
 * A commit is all-or-nothing: when ``commit()`` raises, the previous commit is kept whole.
 * Everything ``run`` does is collective and named identically on every worker; a worker that
   joins a running job must reach the decorated function without other collectives first.

@@ -3,17 +3,23 @@
 Every rank draws the same permutation of the data set (seeded with ``seed + epoch``). The
 sampler counts the samples the whole job has processed this epoch (``processed_num``) as a prefix
 of that permutation; after a reset (a rank lost or added) each rank takes its share of what is
-left, so the epoch carries on with the new number of ranks and no sample is skipped or seen twice.
+left, so the epoch carries on with the new number of ranks and no sample is skipped.
 
 How the remaining samples are shared: rank ``r`` of ``n`` takes ``remaining[r::n]`` (strided).
 When every rank has consumed ``k`` batches of ``B`` samples, the job has consumed exactly
 ``remaining[:k * B * n]``: a prefix again, which is what ``record_batch`` adds up.
 
-Unlike Horovod's sampler, this one never pads: Horovod repeats up to ``n - 1`` samples so that
-every rank gets the same count; hora gives some ranks one sample more than others instead. So
-the last batch of an epoch may be smaller on some ranks, or missing on some ranks (when a
-rank's share is one sample short of a full extra batch, or when fewer samples remain than
-ranks). Rank 0's share is always a largest one. Two ways to keep the ranks together:
+As Horovod's sampler does, it pads by default: the remaining samples are extended with their own
+first ones (at most ``n - 1`` of them) until they divide by the number of ranks, so every rank
+gets the same number of samples (``num_samples``) and a loop ``for batch in loader`` runs the
+same number of steps, hence the same collectives, on every rank. Those few samples are seen
+twice in the epoch.
+
+``pad=False`` shares exactly, with no sample repeated: some ranks then get one sample more
+than others, so the last batch of an epoch may be smaller on some ranks, or missing on some
+ranks (when a rank's share is one sample short of a full extra batch, or when fewer samples
+remain than ranks). Rank 0's share is always a largest one. Two ways to keep the ranks
+together then:
 
 * Lockstep (recommended): every rank runs :meth:`ElasticSampler.num_batches` steps (the same
   number everywhere); a rank whose share has run out calls ``optimizer.step()`` without a
@@ -47,6 +53,10 @@ class ElasticSampler(Sampler[int]):
         shuffle: draw a fresh permutation every epoch (seeded with ``seed + epoch``, the same on
             every rank); ``False`` keeps the data set's order.
         seed: the base of the shuffling seed; every rank must pass the same.
+        pad: give every rank the same number of samples, repeating at most ``n - 1`` of the
+            epoch's first remaining ones (Horovod's behaviour, the default); ``False`` shares
+            exactly, with no sample repeated and shares that differ by one (see the module's
+            documentation for the loops that suit it).
         num_replicas: the number of ranks to shard over (default: ``hvd.size()`` at each
             :meth:`reset`). For tests and tools; a training script leaves it out.
         rank: this process's shard (default: ``hvd.rank()`` at each :meth:`reset`).
@@ -57,7 +67,10 @@ class ElasticSampler(Sampler[int]):
             (a prefix of it); updated by :meth:`record_batch`.
         num_replicas, rank: the sharding in force since the last :meth:`reset`.
         remaining_indices: the permutation without its processed prefix.
-        indices: this rank's share, ``remaining_indices[rank::num_replicas]``.
+        num_samples: the samples of this rank's share (the same on every rank when padding).
+        total_size: the samples shared out: ``num_samples * num_replicas`` when padding, else
+            ``len(remaining_indices)``.
+        indices: this rank's share, ``remaining_indices[rank::num_replicas]`` (padded first).
 
     Usage: call :meth:`record_batch` after each batch, :meth:`set_epoch` at the **end** of each
     epoch (it starts the next one: calling it at the start of an epoch would forget the progress
@@ -76,6 +89,7 @@ class ElasticSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         *,
+        pad: bool = True,
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
@@ -87,6 +101,7 @@ class ElasticSampler(Sampler[int]):
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
+        self.pad = pad
         self.epoch = 0
         self.processed_num = 0
         self._fixed_replicas = num_replicas
@@ -94,7 +109,10 @@ class ElasticSampler(Sampler[int]):
         self.num_replicas = 1
         self.rank = 0
         self.remaining_indices: list[int] = []
+        self.num_samples = 0
+        self.total_size = 0
         self.indices: list[int] = []
+        self._order: list[int] = []
         self.reset()
 
     # ------------------------------------------------------------------ progress
@@ -128,7 +146,8 @@ class ElasticSampler(Sampler[int]):
         self._advance(len(list(indices)))
 
     def num_batches(self, batch_size: int) -> int:
-        """How many batches of ``batch_size`` the largest share (rank 0's) has left.
+        """How many batches of ``batch_size`` the largest share (rank 0's; every rank's when
+        padding) has left.
 
         The same on every rank: a loop that runs this many steps everywhere keeps the ranks
         in lockstep (a rank out of data steps without a backward pass). Like ``len()``, it
@@ -173,8 +192,25 @@ class ElasticSampler(Sampler[int]):
         self.rank = self._fixed_rank if self._fixed_rank is not None else basics.rank()
         total = self._total()
         self.processed_num = max(0, min(self.processed_num, total))
-        self.remaining_indices = self._permutation(total)[self.processed_num :]
-        self.indices = self.remaining_indices[self.rank :: self.num_replicas]
+        self._order = self._permutation(total)
+        remaining = self._order[self.processed_num :]
+        self.remaining_indices = remaining
+        shared = remaining
+        if self.pad and remaining:
+            self.num_samples = -(-len(remaining) // self.num_replicas)
+            self.total_size = self.num_samples * self.num_replicas
+            repeats = -(-self.total_size // len(remaining))
+            shared = (remaining * repeats)[: self.total_size]
+        self.indices = shared[self.rank :: self.num_replicas]
+        if not self.pad or not remaining:
+            self.num_samples = len(self.indices)
+            self.total_size = len(remaining)
+
+    @property
+    def processed_indices(self) -> set[int]:
+        """The indices the job has processed this epoch (the processed prefix of the
+        permutation), as Horovod's sampler names them."""
+        return set(self._order[: self.processed_num])
 
     def _total(self) -> int:
         return len(self.dataset)
@@ -192,12 +228,13 @@ class ElasticSampler(Sampler[int]):
         return iter(list(self.indices))
 
     def __len__(self) -> int:
-        """The number of samples this rank yields for the rest of the epoch (ranks may differ
-        by one)."""
+        """The number of samples this rank yields for the rest of the epoch (the same on every
+        rank when padding; else ranks may differ by one)."""
         return len(self.indices)
 
     def __repr__(self) -> str:
         return (
             f"ElasticSampler(epoch={self.epoch}, processed_num={self.processed_num}, "
-            f"rank={self.rank}, num_replicas={self.num_replicas}, len={len(self)})"
+            f"rank={self.rank}, num_replicas={self.num_replicas}, len={len(self)}, "
+            f"pad={self.pad})"
         )
