@@ -320,7 +320,7 @@ def test_output_files_prefixes_timestamps_and_progress_bars(tmp_path: Path) -> N
 def test_config_file_and_flags_reach_the_workers(tmp_path: Path) -> None:
     config = tmp_path / "horovod.yaml"
     config.write_text(
-        "params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 2\n  hierarchical_allreduce: true\n"
+        "params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 2\n  torus_allreduce: true\n"
         "stall_check:\n  enabled: false\nlogging:\n  level: info\n"
     )
     show = "import os; print(*(os.environ.get(k) for k in __import__('sys').argv[1:]))"
@@ -333,7 +333,7 @@ def test_config_file_and_flags_reach_the_workers(tmp_path: Path) -> None:
     result = _run([*HORARUN, *args, sys.executable, "-c", show, *names], timeout=30)
     assert result.returncode == 0, result.stderr
     assert f"[0]<stdout>:{8 * 1024 * 1024} 7 1 INFO 16 1" in result.stdout
-    assert "horarun: --hierarchical-allreduce has no effect" in result.stderr
+    assert "horarun: --torus-allreduce has no effect" in result.stderr
     assert "horarun: rendezvous store listening on 127.0.0.1:" in result.stderr
 
 

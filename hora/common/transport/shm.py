@@ -24,8 +24,9 @@ member stores its arrival counter, then waits for the others'):
 - allgather, broadcast, reducescatter, alltoall: write, barrier, read, barrier.
 - sendrecv: the pair's own counters; the other members take no part.
 
-Operations run in the order they are started: an asynchronous allreduce goes to a worker
-thread, and an operation started while others are queued waits its turn. A wait sleeps on a
+Operations run in inference mode (as Gloo's kernels, they write into the callers' tensors, which
+may be inference tensors) and in the order they are started: an asynchronous allreduce goes to
+a worker thread, and an operation started while others are queued waits its turn. A wait sleeps on a
 futex after a few microseconds of spinning, so a rank that waits for a slower one leaves its
 core to computation.
 
@@ -200,7 +201,7 @@ class ShmCommunicator:
         if self._queued:
             self._start(run).wait()
             return
-        with self._lock:
+        with self._lock, torch.inference_mode():
             try:
                 run()
             except TransportError:
@@ -226,7 +227,7 @@ class ShmCommunicator:
             if job is None:
                 return
             error: BaseException | None = None
-            with self._lock:
+            with self._lock, torch.inference_mode():
                 try:
                     job.run()
                 except BaseException as exc:
