@@ -22,7 +22,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from hora.common.job.shm_names import segment_name
+from hora.common.job.shm_names import segment_name, sweep
 from hora.common.job.store import StoreClient
 from hora.common.transport import TransportError
 from hora.common.transport.shm_segment import Segment, SegmentError, supported
@@ -158,7 +158,7 @@ def _join_group(
     local_rank, local_size = members.index(rank), len(members)
     created_key = f"{scope}/shm-created/{group}"
     if local_rank == 0:
-        for path in Segment.sweep_stale():
+        for path in sweep():
             logger.info("removed %s, left by a process that was killed while making it", path)
         try:
             segment = Segment.create(name, local_size, *space)

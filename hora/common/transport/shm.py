@@ -345,7 +345,7 @@ class ShmCommunicator:
         for start in range(0, flat.numel(), per_chunk):
             count = min(per_chunk, flat.numel() - start)
             own[:count].copy_(flat[start : start + count])
-            self._reduce_chunk(flat.dtype, 0, count, op, deadline)
+            self._reduce_chunk(flat.dtype, count, op, deadline)
             flat[start : start + count].copy_(own[:count])
 
     def _allreduce_pair(self, flat: torch.Tensor, op: ReduceOp, deadline: float) -> None:
@@ -384,9 +384,10 @@ class ShmCommunicator:
             buffers.append(arena[start : start + nbytes].view(flat.dtype))
         low, high = _part(flat.numel(), self.size, self.rank)
         if high > low:
-            result = self._reduce([b[low:high] for b in buffers], op)
-            if result is not flat[low:high]:
-                flat[low:high].copy_(result)
+            shares = [b[low:high] for b in buffers]
+            result = self._reduce(shares, op)
+            if result is not shares[self.rank]:  # more than two members: from the scratch
+                shares[self.rank].copy_(result)
         self._barrier(deadline)
         # Each member's share of the result lies in its own buffer: take the others'.
         for member in self._others:
@@ -395,14 +396,12 @@ class ShmCommunicator:
                 flat[low:high].copy_(buffers[member][low:high])
         self._barrier(deadline)
 
-    def _reduce_chunk(
-        self, dtype: torch.dtype, offset: int, count: int, op: ReduceOp, deadline: float
-    ) -> None:
-        """Reduce elements ``offset .. offset + count`` of every slot into every slot."""
+    def _reduce_chunk(self, dtype: torch.dtype, count: int, op: ReduceOp, deadline: float) -> None:
+        """Reduce the first ``count`` elements of every slot into every slot."""
         self._barrier(deadline)
         low, high = _part(count, self.size, self.rank)
         if high > low:
-            views = [slot.view(dtype)[offset + low : offset + high] for slot in self._slots]
+            views = [slot.view(dtype)[low:high] for slot in self._slots]
             result = self._reduce(views, op)
             for view in views:
                 if view is not result:

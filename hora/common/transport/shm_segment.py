@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hora.common.job.shm_names import LINE, MAGIC, SHM_DIR, VERSION, sweep
+from hora.common.job.shm_names import LINE, MAGIC, SHM_DIR, VERSION
 
 PAGE = 4096
 # How long a sleeping waiter sleeps between its checks of peers, deadline and abort.
@@ -198,12 +198,6 @@ class Segment:
         struct.pack_into(_HEADER, segment._map, 0, MAGIC, VERSION, size, slot_bytes, arena_bytes)
         segment.register_pid()
         return segment
-
-    @staticmethod
-    def sweep_stale(prefix: str = "hora-") -> list[str]:
-        """Remove this user's segments whose creator has exited (see
-        :mod:`hora.common.job.shm_names`). Returns the paths removed."""
-        return sweep(prefix)
 
     @classmethod
     def attach(
