@@ -124,7 +124,11 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
     state = runtime()
     with state.lock, _collector_paused(state):
         if state.session is not None:
-            if state.session.engine.running:
+            engine = state.session.engine
+            if engine.running or engine.ended_orderly:
+                # Running; or ended because another rank called hvd.shutdown() or exited: as
+                # in Horovod, init does nothing until this rank calls hvd.shutdown() too (the
+                # other ranks would not join a new start), and calls raise that cause.
                 return
             # The engine stopped on its own (the job was shut down after a failure, a stall or
             # a deadlock): release it, then start again, as after hvd.shutdown().

@@ -199,11 +199,14 @@ class CycleMessage:
         requests: requests that are new this cycle and not covered by a cache bit.
         cache_bits: cache positions of new requests that match a cached response.
         shutdown: set when this rank wants the job to stop; the text says why.
+        orderly: the stop was asked for by ``hvd.shutdown()`` or the process's exit (not by a
+            failure, a stall or a deadlock).
     """
 
     requests: tuple[Request, ...] = ()
     cache_bits: tuple[int, ...] = ()
     shutdown: str | None = None
+    orderly: bool = False
 
     def encode_payload(self) -> bytes:
         """The variable part (requests and shutdown reason) as UTF-8 JSON; empty when idle."""
@@ -212,17 +215,20 @@ class CycleMessage:
         body: dict[str, Any] = {"r": [r.to_wire() for r in self.requests]}
         if self.shutdown is not None:
             body["s"] = self.shutdown
+            if self.orderly:
+                body["o"] = 1
         return json.dumps(body, separators=(",", ":")).encode()
 
     @staticmethod
-    def decode_payload(data: bytes) -> tuple[tuple[Request, ...], str | None]:
-        """Parse :meth:`encode_payload` output.
+    def decode_payload(data: bytes) -> tuple[tuple[Request, ...], str | None, bool]:
+        """Parse :meth:`encode_payload` output: the requests, the shutdown reason and whether
+        the shutdown is orderly.
 
         Raises:
             ValueError: the bytes are not a valid payload.
         """
         if not data:
-            return (), None
+            return (), None, False
         try:
             body = json.loads(data.decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -231,7 +237,9 @@ class CycleMessage:
             raise ValueError("malformed negotiation message: not an object")
         requests = tuple(Request.from_wire(item) for item in body.get("r", []))
         shutdown = body.get("s")
-        return requests, None if shutdown is None else str(shutdown)
+        if shutdown is None:
+            return requests, None, False
+        return requests, str(shutdown), body.get("o") == 1
 
 
 @dataclass

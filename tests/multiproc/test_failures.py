@@ -143,3 +143,38 @@ def test_a_deadlock_ends_the_job_naming_who_waits_for_what(np: int) -> None:
         assert 3 <= observed["elapsed_s"] < 20, observed
         assert "shut down" in observed["after"]["message"]
         assert observed["again"].tolist() == [float(np)]
+
+
+def _left_by_a_peer_worker() -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    from .jobs import error_of
+
+    hvd.init()
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(1), name="together")
+    if rank > 0:
+        hvd.shutdown()  # done: the others' engines end with it
+        return {}
+    # Rank 0's call fails once the others' shutdown reached it; a helper that calls
+    # hvd.init() again must then not start a session the others will never join.
+    pending = error_of(lambda: hvd.allreduce(torch.ones(1), name="alone"))
+    hvd.init()
+    after = error_of(lambda: hvd.allreduce(torch.ones(1), name="after"))
+    initialized = hvd.is_initialized()
+    hvd.shutdown()
+    return {"pending": pending, "after": after, "initialized": initialized}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 3])
+def test_init_after_a_peers_shutdown_does_nothing(np: int) -> None:
+    observed = run_job(_left_by_a_peer_worker, np, timeout_s=60)[0]
+
+    for call in ("pending", "after"):
+        assert observed[call] is not None, f"rank 0's {call} call completed"
+        message = observed[call]["message"]
+        assert "called hvd.shutdown()" in message and "shut down" in message, message
+    assert observed["initialized"] is True

@@ -126,6 +126,7 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     attacker = subprocess.Popen(
         [python, "-c", ATTACKER, port, str(flood), str(hold_s)],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd="/",
         env={"PATH": "/usr/bin:/bin"},
@@ -138,9 +139,11 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     while attacker.poll() is None:
         peak = max(peak, _own_descriptors())
         time.sleep(0.05)
-    report = json.loads(attacker.stdout.read() if attacker.stdout else "{}")
+    said, complained = attacker.communicate()
     (tmp_path / "go").write_text("")
     job.join(timeout=120)
+    assert attacker.returncode == 0 and said, f"the attacking process failed:\n{complained}"
+    report = json.loads(said)
 
     assert report["unproven_bytes"] == len(store_protocol.GREETING) + store_protocol.NONCE_BYTES
     assert report["closed_after_s"] < 2.0 + 3.0

@@ -13,8 +13,14 @@ def _req(name: str = "allreduce.x", **fields: object) -> Request:
 def test_request_round_trips_through_the_wire() -> None:
     req = _req(splits=(1, 2), group=("g", 2), prescale=0.5, reduce_op=ReduceOp.MAX)
     message = CycleMessage((req,), (), "bye")
-    requests, shutdown = CycleMessage.decode_payload(message.encode_payload())
-    assert requests == (req,) and shutdown == "bye"
+    requests, shutdown, orderly = CycleMessage.decode_payload(message.encode_payload())
+    assert requests == (req,) and shutdown == "bye" and not orderly
+    called = CycleMessage((), (), "rank 1 called hvd.shutdown()", orderly=True)
+    assert CycleMessage.decode_payload(called.encode_payload()) == (
+        (),
+        "rank 1 called hvd.shutdown()",
+        True,
+    )
     assert CycleMessage().encode_payload() == b""
 
 

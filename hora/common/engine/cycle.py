@@ -114,8 +114,10 @@ class Cycle:
         exchanged = self._counters.now()
         self._tracer.open("NEGOTIATE")
         new = self._intake.drain()
-        contributions, carried = self._exchange.run(new, self._intake.shutdown_reason)
-        shutdown_reason = self._integrate(contributions)
+        contributions, carried = self._exchange.run(
+            new, self._intake.shutdown_reason, self._intake.shutdown_orderly
+        )
+        shutdown_reason, orderly = self._integrate(contributions)
         responses = self._table.ready(self._cache)
         self._tracer.close()
         agreed = self._counters.now()
@@ -124,7 +126,7 @@ class Cycle:
             agreed - exchanged, agreed - waiting_since if waiting_since else 0.0
         )
         self._tracer.agreed_at = self._tracer.now()
-        self._parking.cycle_ended(any(reqs for reqs, _ in contributions) or bool(responses))
+        self._parking.cycle_ended(any(c[0] for c in contributions) or bool(responses))
         self._execute(responses, carried)
         self.carrier.keep_only(self._table.pending)
         self._last_cycle_end = time.monotonic()
@@ -132,7 +134,7 @@ class Cycle:
         if shutdown_reason is not None:
             # Collectives started before the shutdown was agreed still deliver their results.
             self._finisher.drain()
-            self._intake.end(shut_down_message(shutdown_reason))
+            self._intake.end(shut_down_message(shutdown_reason), orderly)
             return False
         self._check_stall()
         self._replay.maybe_enter(self._table)
@@ -178,14 +180,18 @@ class Cycle:
             return
         self._intake.wait_for_work(deadline)
 
-    def _integrate(self, contributions: list[Contribution]) -> str | None:
+    def _integrate(self, contributions: list[Contribution]) -> tuple[str | None, bool]:
+        """Adds every rank's requests to the table; returns the lowest rank's shutdown reason,
+        if any rank gave one, and whether every reason given is orderly."""
         reason: str | None = None
-        for rank, (requests, shutdown) in enumerate(contributions):
+        orderly = True
+        for rank, (requests, shutdown, shutdown_orderly) in enumerate(contributions):
             for request in requests:
                 self._table.add(rank, request)
-            if shutdown is not None and reason is None:
-                reason = shutdown
-        return reason
+            if shutdown is not None:
+                reason = shutdown if reason is None else reason
+                orderly = orderly and shutdown_orderly
+        return reason, orderly
 
     def _execute(self, responses: list[Response], carried: list[dict[Key, bytes]]) -> None:
         """Run the agreed responses: those whose bytes every member carried in this cycle's

@@ -184,7 +184,9 @@ class Engine:
 
     def shutdown(self, reason: str | None = None) -> None:
         """Stop this rank's engine and, through negotiation, every other rank's."""
-        self.intake.request_shutdown(reason or f"rank {self.rank} called hvd.shutdown()")
+        self.intake.request_shutdown(
+            reason or f"rank {self.rank} called hvd.shutdown()", orderly=True
+        )
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.settings.gloo_timeout_s + 10)
         if self._finisher.ident is not None and self._finisher is not threading.current_thread():
@@ -224,6 +226,11 @@ class Engine:
     @property
     def running(self) -> bool:
         return self.intake.running
+
+    @property
+    def ended_orderly(self) -> bool:
+        """Whether the engine ended because a rank called ``hvd.shutdown()`` or exited."""
+        return self.intake.ended_orderly
 
     @property
     def timeline(self) -> Timeline | None:

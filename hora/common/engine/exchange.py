@@ -21,9 +21,10 @@ from hora.common.errors import HoraInternalError
 from hora.common.message import CycleMessage, Key, Request
 from hora.common.transport import Communicator, allgather_bytes
 
-# One rank's part of a cycle: its requests (cache bits expanded, then full requests) and the
-# reason it gave to end the job, if any.
-Contribution = tuple[tuple[Request, ...], str | None]
+# One rank's part of a cycle: its requests (cache bits expanded, then full requests), the
+# reason it gave to end the job, if any, and whether that end is orderly (hvd.shutdown() or the
+# process's exit, not a failure, stall or deadlock).
+Contribution = tuple[tuple[Request, ...], str | None, bool]
 
 
 class Exchange:
@@ -52,7 +53,7 @@ class Exchange:
         self._inline = InlineSlot()
 
     def run(
-        self, new: list[Entry], shutdown_reason: str | None
+        self, new: list[Entry], shutdown_reason: str | None, orderly: bool = False
     ) -> tuple[list[Contribution], list[dict[Key, bytes]]]:
         """Every rank's new requests this cycle, and the small allreduces' bytes it carried
         (see carry.py), in rank order.
@@ -69,9 +70,9 @@ class Exchange:
                 full.append(entry.request)
             else:
                 bits.append(bit)
-        message = CycleMessage(tuple(full), tuple(bits), shutdown_reason)
+        message = CycleMessage(tuple(full), tuple(bits), shutdown_reason, orderly)
         if self._size == 1:
-            return [(tuple(entry.request for entry in new), message.shutdown)], [{}]
+            return [(tuple(entry.request for entry in new), message.shutdown, orderly)], [{}]
         payload = message.encode_payload()
         bitmap = 0
         for bit in bits:
@@ -109,8 +110,8 @@ class Exchange:
         return contributions, sections
 
     def _contribution(self, rank: int, bitmap: bytes, payload: bytes) -> Contribution:
-        """One rank's requests (its cache bits expanded, then its full requests) and shutdown
-        reason."""
+        """One rank's requests (its cache bits expanded, then its full requests), shutdown
+        reason and whether that shutdown is orderly."""
         received = int.from_bytes(bitmap, "little")
         expanded: list[Request] = []
         while received:
@@ -118,10 +119,10 @@ class Exchange:
             expanded.append(self._cache.expand(low.bit_length() - 1, rank))
             received ^= low
         try:
-            requests, shutdown = CycleMessage.decode_payload(payload)
+            requests, shutdown, orderly = CycleMessage.decode_payload(payload)
         except ValueError as exc:
             raise HoraInternalError(f"rank {rank} sent a malformed message: {exc}") from exc
-        return tuple(expanded) + requests, shutdown
+        return tuple(expanded) + requests, shutdown, orderly
 
 
 def _carried(rank: int, section: bytes) -> dict[Key, bytes]:

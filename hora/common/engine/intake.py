@@ -65,6 +65,12 @@ class Intake:
         self._taken: list[Entry] = []
         self._running = False
         self._shutdown_reason: str | None = None
+        # Whether this rank's shutdown request is orderly (hvd.shutdown() or the process's exit).
+        self._shutdown_orderly = False
+        # Whether the engine ended because some rank called hvd.shutdown() or exited.
+        self._ended_orderly = False
+        # What calls raise once the engine ended (the agreed cause first).
+        self._ended_message: str | None = None
         self._failure: str | None = None
         # Whether the steady state runs (waits then wake the engine).
         self._steady = False
@@ -85,6 +91,17 @@ class Intake:
     def shutdown_reason(self) -> str | None:
         """Why the job is ending, once it is."""
         return self._shutdown_reason
+
+    @property
+    def shutdown_orderly(self) -> bool:
+        """Whether this rank asked for the end through ``hvd.shutdown()`` or its exit."""
+        return self._shutdown_orderly
+
+    @property
+    def ended_orderly(self) -> bool:
+        """Whether the engine ended only because a rank called ``hvd.shutdown()`` or exited
+        (not after a failure, a stall or a deadlock)."""
+        return self._ended_orderly and not self._running and self._failure is None
 
     @property
     def failure(self) -> str | None:
@@ -121,7 +138,9 @@ class Intake:
         """
         with self._wakeup:
             if not self._running or self._shutdown_reason is not None:
-                raise HoraInternalError(self._failure or shut_down_message(self._shutdown_reason))
+                raise HoraInternalError(
+                    self._failure or self._ended_message or shut_down_message(self._shutdown_reason)
+                )
             in_flight = self._in_flight
             for entry in entries:
                 if entry.request.key in in_flight:
@@ -170,12 +189,18 @@ class Intake:
         with self._wakeup:
             self._running = True
 
-    def request_shutdown(self, reason: str) -> None:
+    def request_shutdown(self, reason: str, orderly: bool = False) -> None:
         """End the job (through the next exchange) for ``reason``, unless a reason was given
-        before (the first one stands); wakes the engine thread."""
+        before (the first one stands); wakes the engine thread.
+
+        Args:
+            orderly: asked for by ``hvd.shutdown()`` or the process's exit (not a failure,
+                stall or deadlock).
+        """
         with self._wakeup:
             if self._shutdown_reason is None:
                 self._shutdown_reason = reason
+                self._shutdown_orderly = orderly
             self._wakeup.notify_all()
 
     def fail(self, message: str) -> None:
@@ -184,10 +209,17 @@ class Intake:
         with self._wakeup:
             self._failure = message
 
-    def end(self, message: str) -> None:
-        """Orderly stop: every pending and future call fails with ``message``."""
+    def end(self, message: str, orderly: bool = False) -> None:
+        """Stop taking work: every pending and future call fails with ``message``.
+
+        Args:
+            orderly: every rank that asked for the end did so through ``hvd.shutdown()`` or its
+                exit.
+        """
         with self._wakeup:
             self._running = False
+            self._ended_orderly = orderly
+            self._ended_message = message
             pending = list(self._in_flight.values()) + list(self._queue)
             self._in_flight.clear()
             self._queue.clear()
