@@ -92,6 +92,28 @@ def test_adasum_exchange_tree_matches_the_tree_in_one_process(size: int, counts:
         assert torch.equal(result, results[0])  # every rank gets the same bits
 
 
+@pytest.mark.parametrize("count", [1024, 40000], ids=["vectorised", "per_tensor"])
+def test_adasum_averages_parallel_float32_gradients_near_the_smallest_normal(count: int) -> None:
+    """Gradients parallel to each other are averaged, even when their float32 products would
+    underflow (values near 1e-38): products are taken in float64."""
+    size = 4
+    generator = torch.Generator().manual_seed(2)
+    direction = torch.randn(count, generator=generator, dtype=torch.float64)
+    tiny = torch.finfo(torch.float32).tiny
+    scales = [1.0, 3.0, 0.5, 2.0]
+    vectors = [(direction * tiny * s).float() for s in scales]
+
+    def work(comm: LocalCommunicator) -> torch.Tensor:
+        mine = vectors[comm.rank].clone()
+        adasum.allreduce(mine, [count], comm)
+        return mine
+
+    expected = torch.stack([v.double() for v in vectors]).sum(0) / size
+    for result in _on_threads(size, work):
+        relative = (result.double() - expected).norm() / expected.norm()
+        assert relative < 1e-3, relative
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
 def test_allgather_bytes_gives_every_member_every_header(size: int) -> None:
     """Recursive doubling for 1, 2, 4, 8 members, the library's allgather otherwise: the same

@@ -10,8 +10,8 @@ tree (rank 2k with 2k+1, then pairs of pairs, ...), each tensor of a fused buffe
 coefficients. The tree runs as a vector-halving, distance-doubling exchange: at each level a rank
 keeps half of its current segment and swaps the other half with its partner, so every rank
 computes the combination of one slice; the dot products and norms of each tensor are summed over
-the ranks that hold its slices (accumulated in float64, as Horovod does; the combination is
-computed in the buffer's own precision). The slices then travel back up the tree until every
+the ranks that hold its slices (products and sums in float64, as Horovod takes them; the
+combination is computed in the buffer's own precision). The slices then travel back up the tree until every
 rank holds the whole result. The number of ranks must be a power of two, as in Horovod.
 
 This module knows flat CPU buffers and a communicator's point-to-point exchange, never requests.
@@ -53,23 +53,20 @@ def products(left: torch.Tensor, right: torch.Tensor, lengths: list[int]) -> tor
     """Per tensor (pieces of ``lengths`` elements, one after another): ``left . right``,
     ``|left|^2`` and ``|right|^2``, as a float64 tensor of shape (3, len(lengths)).
 
-    Products are taken in the buffer's precision and summed in float64, as Horovod sums them.
+    Products and sums are taken in float64, as Horovod takes them: a float32 product of two
+    gradients near float32's smallest normal (1e-38) underflows to zero, which would make
+    parallel gradients look orthogonal and sum them instead of averaging them.
     """
     if not lengths:
         return torch.zeros(3, 0, dtype=torch.float64)
+    left, right = left.double(), right.double()
     if left.numel() >= _LOOP_FROM * len(lengths):
         sums = [
-            torch.stack(
-                [
-                    (a * b).sum(dtype=torch.float64),
-                    (a * a).sum(dtype=torch.float64),
-                    (b * b).sum(dtype=torch.float64),
-                ]
-            )
+            torch.stack([torch.dot(a, b), torch.dot(a, a), torch.dot(b, b)])
             for a, b in zip(left.split(lengths), right.split(lengths))
         ]
         return torch.stack(sums, dim=1)
-    stacked = torch.stack([left * right, left * left, right * right]).double()
+    stacked = torch.stack([left * right, left * left, right * right])
     counts = torch.tensor(lengths, dtype=torch.int64).expand(3, len(lengths))
     return torch.segment_reduce(stacked, "sum", lengths=counts, axis=1)
 
