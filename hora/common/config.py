@@ -4,23 +4,41 @@ The names, defaults, ranges and ``HOROVOD_*`` twins of the variables are declare
 :mod:`hora.common.settings_table`; this module reads them. It knows nothing of the engine that
 uses them. For each setting the ``HORA_`` name wins over the ``HOROVOD_`` one, so a Horovod job
 script keeps working and a hora user can override it.
+
+It also finds what is set but not acted on (:func:`unheeded`): Horovod's variables for features
+hora does not have, Horovod's values that hora lacks, and ``HORA_*`` names hora does not know
+(typos); ``hvd.init()`` names them once (:func:`name_unheeded`).
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from hora.common import settings_table as table
-from hora.common.settings_table import Variable
+from hora.common.settings_table import Unheeded, Variable
 
 T = TypeVar("T")
+
+logger = logging.getLogger("hora")
 
 
 class SettingError(ValueError):
     """An environment variable holds a value hora cannot use."""
+
+
+def _first_set(names: tuple[str, ...], env: Mapping[str, str] | None) -> tuple[str, str] | None:
+    """The first of ``names`` set to something, and its text (the empty string is unset)."""
+    source = os.environ if env is None else env
+    for name in names:
+        value = source.get(name)
+        if value is not None and value != "":
+            return name, value
+    return None
 
 
 def raw(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | None:
@@ -30,32 +48,51 @@ def raw(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | 
     A variable declared without a Horovod twin (``STEADY_STATE``, ``SECRET_KEY``, ...) is read
     under its ``HORA_`` name only.
     """
-    source = os.environ if env is None else env
-    for name in variable.environ_names:
-        value = source.get(name)
-        if value is not None and value != "":
-            return value
-    return None
+    found = _first_set(variable.environ_names, env)
+    return found[1] if found is not None else None
 
 
-def read(
-    variable: Variable[T], env: Mapping[str, str] | None = None, *, default: T | None = None
-) -> T:
-    """The value of ``variable`` (``HORA_`` then ``HOROVOD_``); when unset, ``default`` or, without
-    one, the variable's declared default.
-
-    Raises:
-        SettingError: the text cannot be parsed; the message names the variable and the value.
-    """
-    text = raw(variable, env)
-    if text is None:
-        return variable.default if default is None else default
+def _parse(variable: Variable[T], text: str) -> T:
     try:
         return variable.kind.parse(text)
     except ValueError:
         raise SettingError(
             f"{variable.names} must be {variable.kind.expected}, got {text!r}."
         ) from None
+
+
+def _lacked(variable: Variable[Any], name: str, value: Any) -> bool:
+    """Whether ``value``, read from ``name``, is one of Horovod's values that hora lacks (then
+    the twin counts as unset; see ``Variable.lacking``)."""
+    return bool(variable.lacking) and name != variable.env and value not in variable.choices
+
+
+def chosen_by(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | None:
+    """The name of the variable whose value :func:`read` returns: ``HORA_<name>``, or its
+    Horovod twin unless that holds a value hora lacks; ``None`` when the default applies."""
+    found = _first_set(variable.environ_names, env)
+    if found is None:
+        return None
+    name, text = found
+    return None if _lacked(variable, name, _parse(variable, text)) else name
+
+
+def read(
+    variable: Variable[T], env: Mapping[str, str] | None = None, *, default: T | None = None
+) -> T:
+    """The value of ``variable`` (``HORA_`` then ``HOROVOD_``); when unset, ``default`` or, without
+    one, the variable's declared default. A Horovod twin holding one of Horovod's values that
+    hora lacks (``HOROVOD_CPU_OPERATIONS=ccl``) counts as unset; :func:`unheeded` names it.
+
+    Raises:
+        SettingError: the text cannot be parsed; the message names the variable and the value.
+    """
+    found = _first_set(variable.environ_names, env)
+    if found is not None:
+        value = _parse(variable, found[1])
+        if not _lacked(variable, found[0], value):
+            return value
+    return variable.default if default is None else default
 
 
 def is_set(variable: Variable[Any], env: Mapping[str, str] | None = None) -> bool:
@@ -81,9 +118,8 @@ class Settings:
             (reduced on every rank without a second round trip); 0 turns it off.
         stall_check_enabled: whether the stall inspector runs.
         stall_check_time_s: warn when some ranks waited this long for others.
-        stall_shutdown_time_s: shut the job down after a stall this long (0: never); by default
-            the declared default (``HORA_STALL_SHUTDOWN_TIME_SECONDS``), or the check time if
-            that is longer.
+        stall_shutdown_time_s: shut the job down after a stall this long (0, the default as in
+            Horovod: never; deadlocks end the job regardless, after ``gloo_timeout_s``).
         gloo_timeout_s: how long one collective may wait for a peer.
         dynamic_process_sets: allow ``add_process_set`` after ``init``.
         disable_group_fusion: fuse the tensors of a group only with each other.
@@ -94,7 +130,8 @@ class Settings:
         autotune_log: where rank 0 logs the autotune trials (CSV), or ``None``.
         autotune_warmup_samples: steps after each autotune change that are not measured.
         autotune_steps_per_sample: measured steps per autotune candidate.
-        cpu_operations: the library of the data path and the negotiation, ``gloo`` or ``mpi``.
+        cpu_operations: the library of the data path and the negotiation, ``gloo`` or ``mpi``
+            (see :func:`cpu_operations`: ``HOROVOD_CONTROLLER`` chooses when nothing else does).
         shared_memory: whether ranks of one host exchange through shared memory (Gloo path).
         shm_slot_bytes: shared memory per rank and process set.
         shm_arena_bytes: address space per rank and process set for repeated buffers.
@@ -142,11 +179,7 @@ class Settings:
             variable: Variable[Any] = declared.metadata["variable"]
             value = read(variable, env)
             values[declared.name] = not value if declared.metadata["negated"] else value
-        if not is_set(table.STALL_SHUTDOWN_TIME_SECONDS, env):
-            # A longer check time moves the default shutdown time with it (never below it).
-            values["stall_shutdown_time_s"] = max(
-                values["stall_shutdown_time_s"], values["stall_check_time_s"]
-            )
+        values["cpu_operations"] = cpu_operations(env)[0]
         settings = cls(**values)
         settings.validate()
         return settings
@@ -170,3 +203,142 @@ SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
 def start_timeout_s(env: Mapping[str, str] | None = None) -> float:
     """How long a worker may take to reach the job's store (``HORA_START_TIMEOUT``)."""
     return read(table.START_TIMEOUT, env)
+
+
+def cpu_operations(env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """The library that moves CPU data and carries the negotiation, and the variable that chose
+    it (``None``: nothing did, and it is Gloo).
+
+    ``HORA_CPU_OPERATIONS``, else ``HOROVOD_CPU_OPERATIONS`` (unless it names a library hora
+    lacks), else ``HOROVOD_CONTROLLER`` when it names ``gloo`` or ``mpi``: Horovod may negotiate
+    over one library and move data over another, hora uses one for both. The value is as read;
+    :meth:`Settings.validate` refuses one hora does not know under the ``HORA_`` name.
+
+    Raises:
+        SettingError: the text cannot be parsed.
+    """
+    variable = table.CPU_OPERATIONS
+    name = chosen_by(variable, env)
+    if name is not None:
+        return read(variable, env), name
+    source = os.environ if env is None else env
+    controller = source.get(table.CONTROLLER_NAME, "").strip().lower()
+    if controller in variable.choices:
+        return controller, table.CONTROLLER_NAME
+    return read(variable, env), None
+
+
+def timeline_path(env: Mapping[str, str] | None = None) -> str | None:
+    """The file ``hvd.init()`` starts a timeline in (``HORA_TIMELINE``); ``None`` when unset or
+    ``DYNAMIC`` (Horovod's word for "only when ``hvd.start_timeline()`` is called")."""
+    path = read(table.TIMELINE, env)
+    return None if path == table.TIMELINE_DYNAMIC else path
+
+
+def interfaces(text: str) -> list[str]:
+    """A comma-separated list of network interfaces (``eth0,eth1``), in order, each once."""
+    names = [name.strip() for name in text.split(",")]
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def gloo_interface(env: Mapping[str, str] | None = None) -> str:
+    """The network interface Gloo binds: ``HORA_GLOO_IFACE`` (or ``HOROVOD_GLOO_IFACE``), else
+    ``GLOO_SOCKET_IFNAME``; of a comma-separated list, the first. ``""`` when none is set."""
+    source = os.environ if env is None else env
+    text = raw(table.GLOO_IFACE, source) or source.get("GLOO_SOCKET_IFNAME", "")
+    names = interfaces(text)
+    return names[0] if names else ""
+
+
+# ---------------------------------------------------------------- what is set but not acted on
+
+# Where docs/environment.md explains the lines :func:`name_unheeded` logs.
+UNHEEDED_DOC = "docs/environment.md#variables-hora-does-not-act-on"
+
+
+def _said(entry: Unheeded, name: str, text: str) -> str:
+    shown = name if entry.secret else f"{name}={text}"
+    return f"{shown} has no effect: {entry.why}"
+
+
+def _known_hora_names() -> list[str]:
+    names = {variable.env for variable in table.VARIABLES}
+    names.update(n for v in table.VARIABLES for n in v.also_read if n.startswith("HORA_"))
+    names.update(table.SCRIPT_VARIABLES)
+    return sorted(names)
+
+
+def _unknown_hora_names(source: Mapping[str, str]) -> list[str]:
+    """A line for each ``HORA_*`` variable hora does not read (a typo, most likely)."""
+    known = _known_hora_names()
+    horovods = {name: entry for entry in table.UNHEEDED for name in entry.names}
+    lines = []
+    for name in sorted(source):
+        if not name.startswith("HORA_") or name in known or source[name] == "":
+            continue
+        entry = horovods.get("HOROVOD_" + name.removeprefix("HORA_"))
+        if entry is not None:
+            lines.append(_said(entry, name, source[name]))
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        lines.append(f"{name} is not a variable hora reads{hint}")
+    return lines
+
+
+def unheeded(env: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each variable that is set but that hora does not act on.
+
+    These are Horovod's variables for what hora does not have (``HOROVOD_TORUS_ALLREDUCE=1``,
+    declared in ``settings_table.UNHEEDED``), Horovod's values that hora lacks
+    (``HOROVOD_CPU_OPERATIONS=ccl``), a ``HOROVOD_CONTROLLER`` that another variable overrides,
+    and ``HORA_*`` names hora does not know, with the closest known name. Unknown
+    ``HOROVOD_*`` names are not listed: Horovod's build variables (``HOROVOD_WITH_PYTORCH``)
+    are often left set, and Horovod ignores them at run time too.
+
+    Example:
+        >>> unheeded({"HOROVOD_TORUS_ALLREDUCE": "1", "HORA_FUSION_THRESHLD": "0"})[1]
+        'HORA_FUSION_THRESHLD is not a variable hora reads; did you mean HORA_FUSION_THRESHOLD?'
+    """
+    source = os.environ if env is None else env
+    lines = []
+    for entry in table.UNHEEDED:
+        found = _first_set(entry.names, source)
+        if found is not None and not entry.harmless(found[1]):
+            lines.append(_said(entry, *found))
+    for variable in table.VARIABLES:
+        found = _first_set(variable.environ_names, source)
+        if found is None or not variable.lacking:
+            continue
+        try:
+            lacked = _lacked(variable, found[0], variable.kind.parse(found[1]))
+        except ValueError:
+            continue  # Settings.from_env names it, as an error
+        if lacked:
+            lines.append(f"{found[0]}={found[1]} has no effect: {variable.lacking}")
+    controller = source.get(table.CONTROLLER_NAME, "").strip()
+    library, name = cpu_operations(source)
+    if controller.lower() in table.CPU_OPERATIONS.choices and controller.lower() != library:
+        lines.append(
+            f"{table.CONTROLLER_NAME}={controller} has no effect: {name}={library} chooses the "
+            "library, and hora negotiates over the library that moves CPU data."
+        )
+    return lines + _unknown_hora_names(source)
+
+
+def name_unheeded(env: Mapping[str, str] | None = None) -> list[str]:
+    """Log one warning that names every variable :func:`unheeded` finds (nothing when there
+    is none); ``hvd.init()`` calls it once per process, on local rank 0 of each host.
+
+    Returns:
+        The lines named.
+    """
+    lines = unheeded(env)
+    if lines:
+        logger.warning(
+            "hora does not act on %s set in this environment:\n  %s\nSee %s.",
+            "this variable" if len(lines) == 1 else f"these {len(lines)} variables",
+            "\n  ".join(lines),
+            UNHEEDED_DOC,
+        )
+    return lines

@@ -23,7 +23,7 @@ from typing import Any
 
 from hora.common import metrics
 from hora.common import settings_table as table
-from hora.common.config import Settings, read, start_timeout_s
+from hora.common.config import Settings, name_unheeded, read, start_timeout_s, timeline_path
 from hora.common.engine import Engine
 from hora.common.job import joining
 from hora.common.job import rounds as elastic
@@ -147,6 +147,8 @@ def _start_session(state: Runtime, comm: Any, process_sets: list[ProcessSet] | s
     registered, positions = registered_lists(sets, topology.size, mpi_comm)
     # From here log lines name this rank (in an elastic job it changes from round to round).
     state.log_rank = topology.rank
+    if state.starts == 0 and topology.local_rank == 0:
+        name_unheeded()  # once per process, one warning per host (docs/environment.md)
     engine = Engine(
         topology,
         settings,
@@ -159,7 +161,7 @@ def _start_session(state: Runtime, comm: Any, process_sets: list[ProcessSet] | s
         device_communicator_factory=gpu_communicators(settings, store),
     )
     current = Session(engine, topology, store, generation, mpi_comm, settings.cpu_operations)
-    path = read(table.TIMELINE)
+    path = timeline_path()
     if path:
         open_timeline(current, path, read(table.TIMELINE_MARK_CYCLES))
     metrics.attach(engine.counters, topology.rank, topology.local_rank)

@@ -126,6 +126,10 @@ class Variable(Generic[T]):
             say it well (``unset: detected``).
         also_read: other variables read for the same setting, named in the docs.
         table: which table of docs/environment.md lists it (``None``: only named as also read).
+        lacking: for a variable with ``choices``, what hora does when its Horovod twin holds a
+            value of Horovod's that is not among them (``HOROVOD_CPU_OPERATIONS=ccl``): the twin
+            then counts as unset, and ``hvd.init()`` names it with this sentence. Without it,
+            such a value is an error, as it is under the ``HORA_`` name.
     """
 
     name: str
@@ -139,6 +143,7 @@ class Variable(Generic[T]):
     default_doc: str = ""
     also_read: tuple[str, ...] = ()
     table: Table = "settings"
+    lacking: str = ""
 
     @property
     def env(self) -> str:
@@ -173,6 +178,8 @@ class Variable(Generic[T]):
 
 
 _PROFILING = "[docs/profiling.md](profiling.md)"
+# HORA_TIMELINE's value that asks for no file at init, only for hvd.start_timeline() later.
+TIMELINE_DYNAMIC = "DYNAMIC"
 
 # ---------------------------------------------------------------- engine and worker settings
 
@@ -208,14 +215,18 @@ STALL_CHECK_TIME_SECONDS = Variable(
     "Warn when some ranks have waited this long for others to submit a tensor.",
     bounds=POSITIVE, unit="seconds",
 )  # fmt: skip
-# A stall this long ends the job: a rank that never submits a tensor the others wait for becomes
-# an error naming the tensor and the ranks, instead of a job that waits forever. Ten minutes, as
-# PyTorch's NCCL timeout: far beyond a slow step, shorter than a lost night on a cluster.
+# Never, as in Horovod: a rank busy on its own (an evaluation or a checkpoint on rank 0 alone)
+# may keep the others waiting as long as it takes. A job that cannot move at all still ends: the
+# deadlock check (every rank waits for a collective another rank has not submitted, and nothing
+# changed for HORA_GLOO_TIMEOUT_SECONDS) does not depend on this limit.
 STALL_SHUTDOWN_TIME_SECONDS = Variable(
-    "STALL_SHUTDOWN_TIME_SECONDS", NUMBER, 600.0,
+    "STALL_SHUTDOWN_TIME_SECONDS", NUMBER, 0.0,
     "End the job after a stall this long, with an error that names the tensors and the missing "
-    "ranks. `0` means never (Horovod's default). A value below the check time is ignored, with "
-    "a warning.",
+    "ranks. `0` (the default, as in Horovod) never ends it for a stall, so one rank may work "
+    "alone (say, evaluate on rank 0) for as long as it needs; a deadlock, where every rank "
+    "waits for a collective that another rank has not submitted, still ends the job after "
+    "`HORA_GLOO_TIMEOUT_SECONDS`. A value below the check time is ignored, with a warning. See "
+    "[docs/engine.md](engine.md#the-stall-inspector).",
 )  # fmt: skip
 GLOO_TIMEOUT_SECONDS = Variable(
     "GLOO_TIMEOUT_SECONDS", NUMBER, 30.0,
@@ -231,7 +242,8 @@ DYNAMIC_PROCESS_SETS = Variable(
 TIMELINE = Variable(
     "TIMELINE", OPTIONAL_TEXT, None,
     "Write a timeline: rank 0 to this file, rank r to `FILE.rank<r>`, merged into the file at a "
-    f"normal end. See {_PROFILING}.",
+    f"normal end. `{TIMELINE_DYNAMIC}` (Horovod's word) writes none until "
+    f"`hvd.start_timeline()`. See {_PROFILING}.",
 )  # fmt: skip
 TIMELINE_MARK_CYCLES = Variable(
     "TIMELINE_MARK_CYCLES", BOOLEAN, False, "`1` marks every negotiation cycle in the timeline."
@@ -310,8 +322,12 @@ CPU_OPERATIONS = Variable(
     "CPU_OPERATIONS", CHOICE, "gloo",
     "Which library moves the data of collectives on CPU tensors, and the negotiation between "
     "ranks: `gloo`, or `mpi` (mpi4py, for jobs started by `mpirun`/`mpiexec` or `horarun "
-    "--mpi`). See [docs/deployment.md](deployment.md#choosing-a-data-path).",
-    choices=("gloo", "mpi"),
+    "--mpi`). When neither name is set, Horovod's `HOROVOD_CONTROLLER` (`gloo` or `mpi`) "
+    "chooses: hora negotiates over the library that moves the data. See "
+    "[docs/deployment.md](deployment.md#choosing-a-data-path).",
+    choices=("gloo", "mpi"), also_read=("HOROVOD_CONTROLLER",),
+    lacking="hora has no oneCCL path: CPU tensors go over the library `HOROVOD_CONTROLLER` "
+    "names, else Gloo.",
 )  # fmt: skip
 SHARED_MEMORY = Variable(
     "SHARED_MEMORY", BOOLEAN, True,
@@ -359,16 +375,21 @@ GPU_OPERATIONS = Variable(
     "(copied to host memory and through the CPU data path). Negotiation stays on the CPU path "
     "either way. See [docs/deployment.md](deployment.md#choosing-a-data-path).",
     choices=("nccl", "host"),
+    lacking="hora has no CUDA-aware MPI path: CUDA tensors go over NCCL "
+    "(`HORA_GPU_OPERATIONS=host` moves them through host memory and the CPU data path instead).",
 )  # fmt: skip
 ENABLE_NVTX = Variable(
     "ENABLE_NVTX", BOOLEAN, False,
     "`1` marks hora's phases (negotiation, fusion copies, each collective) as NVTX ranges, which "
-    "`nsys profile` shows next to your own. Without CUDA it does nothing. See "
+    "`nsys profile` shows next to your own. Without CUDA it does nothing. Horovod marks its "
+    "ranges unless `HOROVOD_DISABLE_NVTX_RANGES=1`; hora marks none unless this is `1`. See "
     "[docs/profiling.md](profiling.md#nsys).",
+    horovod=False,
 )  # fmt: skip
 GLOO_IFACE = Variable(
     "GLOO_IFACE", OPTIONAL_TEXT, None,
-    "Network interface for Gloo's connections, e.g. `eth1`. When unset and every rank runs on "
+    "Network interface for Gloo's connections, e.g. `eth1` (of a comma-separated list such as "
+    "`eth1,eth2`, the first). When unset and every rank runs on "
     "this host, Gloo uses loopback (`127.0.0.1`); in a multi-host job `horarun` gives each worker "
     "the interface through which its host reaches the launcher (or the one named by "
     "`--network-interface`).",
@@ -400,12 +421,13 @@ LAUNCHER = Variable(
     "Which launcher's variables `hvd.init()` reads: `horarun`, `torchrun`, `mpi`, `slurm`, `env` "
     "or `none`. Set it only when one launcher starts another on purpose and hora's choice is "
     "wrong; see [docs/deployment.md](deployment.md#when-launchers-disagree).",
-    default_doc="unset: detected",
+    horovod=False, default_doc="unset: detected",
 )  # fmt: skip
 MPI4PY = Variable(
     "MPI4PY", BOOLEAN, True,
     "Under `mpirun`/`mpiexec`, `0` stops rank 0 from sending the store's address and a fresh "
     "secret with mpi4py.",
+    horovod=False,
 )  # fmt: skip
 
 # ---------------------------------------------------------------- set by the launcher
@@ -417,12 +439,14 @@ def _launcher(
     default_doc: str,
     also_read: tuple[str, ...] = (),
     kind: Kind[Any] = OPTIONAL_INTEGER,
+    horovod: bool = True,
 ) -> Variable[Any]:
     return Variable(
         name,
         kind,
         None,
         meaning,
+        horovod=horovod,
         default_doc=default_doc,
         also_read=also_read,
         table="launcher",
@@ -451,12 +475,14 @@ RENDEZVOUS_ADDR = _launcher(
     "unset",
     ("HORA_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR"),
     OPTIONAL_TEXT,
+    horovod=False,
 )
 RENDEZVOUS_PORT = _launcher(
     "RENDEZVOUS_PORT",
     "Its port.",
     "unset",
     ("HORA_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT"),
+    horovod=False,
 )
 # Read after the two above, as their rows in docs/environment.md say.
 GLOO_RENDEZVOUS_ADDR = Variable(
@@ -585,3 +611,168 @@ VARIABLES: tuple[Variable[Any], ...] = (
 )
 
 BY_NAME: dict[str, Variable[Any]] = {variable.name: variable for variable in VARIABLES}
+
+# ---------------------------------------------------------------- Horovod's, not acted on
+
+
+def _reads_false(text: str) -> bool:
+    """Whether ``text`` is a false boolean (text that is no boolean is not)."""
+    try:
+        return not parse_bool(text)
+    except ValueError:
+        return False
+
+
+def _reads_true(text: str) -> bool:
+    """Whether ``text`` is a true boolean (text that is no boolean is not)."""
+    try:
+        return parse_bool(text)
+    except ValueError:
+        return False
+
+
+def _never(_text: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Unheeded:
+    """A variable of Horovod's that hora reads only to say that it does not act on it.
+
+    ``hvd.init()`` names each one that is set to a value hora does not honour
+    (:func:`hora.common.config.unheeded`); ``horarun --verbose`` says the same sentence of the
+    flag that would set it (:mod:`hora.runner.flags` takes ``why`` from here); docs/environment.md
+    lists them all.
+
+    Attributes:
+        names: the variables, read in this order (the first one set counts).
+        why: why it has no effect, and what hora does instead.
+        harmless: whether a value asks only for what hora does anyway (Horovod's default, say);
+            such a value is not named.
+        named_when: which values are named, as docs/environment.md says it.
+        secret: never show its value.
+    """
+
+    names: tuple[str, ...]
+    why: str
+    harmless: Callable[[str], bool] = _never
+    named_when: str = "any value"
+    secret: bool = False
+
+    @property
+    def name(self) -> str:
+        """The name that stands for it in the docs (the last one: Horovod's)."""
+        return self.names[-1]
+
+
+def _horovods(name: str, why: str, **facts: Any) -> Unheeded:
+    return Unheeded(("HOROVOD_" + name,), why, **facts)
+
+
+_BAYES = "hora's autotune tries a small fixed set of batch sizes, not Bayesian optimisation."
+
+TORUS_ALLREDUCE = _horovods(
+    "TORUS_ALLREDUCE",
+    "hora has no torus allreduce; across hosts it reduces hierarchically where every host runs "
+    "as many of a set's ranks (`HORA_HIERARCHICAL_ALLREDUCE`).",
+    harmless=_reads_false, named_when="`1`",
+)  # fmt: skip
+HIERARCHICAL_ALLGATHER_UNHEEDED = Unheeded(
+    HIERARCHICAL_ALLGATHER.environ_names,
+    "hora's allgather across hosts runs over one Gloo group (within a host, through shared "
+    "memory).",
+    harmless=_reads_false, named_when="`1`",
+)  # fmt: skip
+NUM_NCCL_STREAMS = _horovods(
+    "NUM_NCCL_STREAMS",
+    "hora runs each process set's NCCL collectives on one NCCL stream, in order.",
+    harmless=lambda text: text.strip() == "1", named_when="other than `1`",
+)  # fmt: skip
+THREAD_AFFINITY = _horovods(
+    "THREAD_AFFINITY",
+    "hora does not pin its background thread to a core; pin the whole process instead "
+    "(`taskset`, `numactl`, `mpirun --bind-to`).",
+)  # fmt: skip
+MPI_THREADS_DISABLE = _horovods(
+    "MPI_THREADS_DISABLE",
+    "hora's MPI transport needs MPI_THREAD_MULTIPLE (each communicator calls MPI from its own "
+    "thread).",
+    harmless=_reads_false, named_when="`1`",
+)  # fmt: skip
+AUTOTUNE_BAYES_OPT_MAX_SAMPLES = _horovods("AUTOTUNE_BAYES_OPT_MAX_SAMPLES", _BAYES)
+AUTOTUNE_GAUSSIAN_PROCESS_NOISE = _horovods("AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _BAYES)
+BATCH_D2D_MEMCOPIES = _horovods(
+    "BATCH_D2D_MEMCOPIES",
+    "hora always copies the CUDA tensors of a fused buffer with torch's batched multi-tensor "
+    "copies.",
+    harmless=_reads_true, named_when="`0`",
+)  # fmt: skip
+ENABLE_ASYNC_COMPLETION = _horovods(
+    "ENABLE_ASYNC_COMPLETION",
+    "hora has no such mode: a CUDA collective's handle completes once the host sees NCCL finish "
+    "it.",
+    harmless=_reads_false, named_when="`1`",
+)  # fmt: skip
+ENABLE_XLA_OPS = _horovods(
+    "ENABLE_XLA_OPS",
+    "hora's TensorFlow collectives cannot run inside XLA-compiled code; compile the step "
+    "without XLA (`jit_compile=False`).",
+    harmless=_reads_false, named_when="`1`",
+)  # fmt: skip
+ADASUM_MPI_CHUNK_SIZE = _horovods(
+    "ADASUM_MPI_CHUNK_SIZE",
+    "hora's Adasum sends each level's half of a buffer as one message; it has no chunk size.",
+)  # fmt: skip
+CCL_CACHE = _horovods(
+    "CCL_CACHE", "hora has no oneCCL path.", harmless=_reads_false, named_when="`1`"
+)
+DISABLE_NVTX_RANGES = _horovods(
+    "DISABLE_NVTX_RANGES",
+    "hora marks NVTX ranges only with `HORA_ENABLE_NVTX=1` (Horovod marks them by default).",
+    harmless=_reads_true, named_when="`0`",
+)  # fmt: skip
+ELASTIC_HOROVOD = _horovods(
+    "ELASTIC",
+    "a worker joins an elastic job when `horarun` starts it as one (`--min-np`, `--max-np` or "
+    "`--host-discovery-script`), which sets `HORA_ELASTIC`.",
+    harmless=_reads_false, named_when="`1`",
+)  # fmt: skip
+SECRET_KEY_HOROVOD = _horovods(
+    "SECRET_KEY",
+    "hora's job secret is `HORA_SECRET_KEY` (hex) or `HORA_SECRET_FILE` (see "
+    "docs/security.md).",
+    secret=True,
+)  # fmt: skip
+# The libraries HOROVOD_CONTROLLER may name (hora's CPU_OPERATIONS choices).
+CONTROLLER_NAME = "HOROVOD_CONTROLLER"
+CONTROLLER = Unheeded(
+    (CONTROLLER_NAME,),
+    "hora negotiates over the library that moves CPU data: `HORA_CPU_OPERATIONS`, else "
+    "`HOROVOD_CPU_OPERATIONS`, else `HOROVOD_CONTROLLER` when it is `gloo` or `mpi`, else Gloo.",
+    harmless=lambda text: text.strip().lower() in CPU_OPERATIONS.choices,
+    named_when="other than `gloo`, `mpi`, or than the library `HORA_CPU_OPERATIONS` (or "
+    "`HOROVOD_CPU_OPERATIONS`) names",
+)  # fmt: skip
+
+UNHEEDED: tuple[Unheeded, ...] = (
+    TORUS_ALLREDUCE,
+    HIERARCHICAL_ALLGATHER_UNHEEDED,
+    NUM_NCCL_STREAMS,
+    THREAD_AFFINITY,
+    MPI_THREADS_DISABLE,
+    AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
+    AUTOTUNE_GAUSSIAN_PROCESS_NOISE,
+    BATCH_D2D_MEMCOPIES,
+    ENABLE_ASYNC_COMPLETION,
+    ENABLE_XLA_OPS,
+    ADASUM_MPI_CHUNK_SIZE,
+    CCL_CACHE,
+    DISABLE_NVTX_RANGES,
+    ELASTIC_HOROVOD,
+    SECRET_KEY_HOROVOD,
+    CONTROLLER,
+)
+
+# ``HORA_*`` variables that the scripts in examples/ read, not ``hvd.init()``: not named as
+# unknown when set.
+SCRIPT_VARIABLES = ("HORA_VENV", "HORA_APPTAINER_IMAGE", "HORA_EXAMPLE_HOSTS")

@@ -245,15 +245,20 @@ OPTIONS: tuple[Option, ...] = (
            doc="Sets `HORA_START_TIMEOUT`: seconds a worker may take to reach the store "
            "(default 30). Also caps SSH's `ConnectTimeout` (default 10).", doc_table="general"),
     Option(("--network-interface",), "network_interface", "general", "append", metavar="IFACE",
-           help="network interface for the rendezvous store and Gloo (repeatable)",
+           help="network interface for the rendezvous store and Gloo (repeatable, or a "
+           "comma-separated list)",
            doc="The interface the job uses on this machine and for Gloo: the store listens on its "
            "address (in a multi-host job), and every worker gets `HORA_GLOO_IFACE=IFACE` and "
-           "`NCCL_SOCKET_IFNAME`. Repeatable; the first one is used for Gloo and the store.",
+           "`NCCL_SOCKET_IFNAME`. Repeatable, and a value may list several separated by commas "
+           "(`eth0,eth1`), as in `horovodrun`; the first one is used for Gloo and the store, "
+           "and `NCCL_SOCKET_IFNAME` gets them all.",
            doc_table="general"),
     Option(("--network-interfaces",), "network_interfaces", "general", "text",
            metavar="IFACE,IFACE",
-           help="comma-separated form of --network-interface (deprecated in horovodrun)",
-           doc="The comma form of the same (deprecated in `horovodrun`).", doc_table="general"),
+           help="comma-separated network interfaces, as --network-interface takes them",
+           doc="The same as a comma-separated list (`horovodrun`'s preferred form; it deprecates "
+           "commas in `--network-interface`, which hora accepts as well).",
+           doc_table="general"),
     Option(("--output-filename",), "output_filename", "general", "text", metavar="DIR",
            help="also write each rank's output to DIR/rank.N/{stdout,stderr}",
            doc="Also write each rank's output to `DIR/rank.<rank>/stdout` and `.../stderr`.",
@@ -302,7 +307,7 @@ OPTIONS: tuple[Option, ...] = (
             help="accepted; hora gathers across hosts over one Gloo group",
             doc_table="engine"),
     _switch("--torus-allreduce", opposite=("--no-torus-allreduce",), group="tunables",
-            config_key="params.torus_allreduce", inert="hora has no torus allreduce.",
+            config_key="params.torus_allreduce", inert=var.TORUS_ALLREDUCE.why,
             doc_table="inert"),
     # ------------------------------------------------------------------ autotune
     _switch("--autotune", opposite=("--no-autotune",), group="autotune",
@@ -323,13 +328,11 @@ OPTIONS: tuple[Option, ...] = (
            doc_table="engine"),
     Option(("--autotune-bayes-opt-max-samples",), "autotune_bayes_opt_max_samples", "autotune",
            "int", metavar="N", config_key="autotune.bayes_opt_max_samples", bounds=NON_NEGATIVE,
-           inert="hora's autotune tries a small fixed set of batch sizes, not Bayesian "
-           "optimisation.", doc_table="inert"),
+           inert=var.AUTOTUNE_BAYES_OPT_MAX_SAMPLES.why, doc_table="inert"),
     Option(("--autotune-gaussian-process-noise",), "autotune_gaussian_process_noise",
            "autotune", "float", metavar="X", config_key="autotune.gaussian_process_noise",
            bounds=Bounds(low=0, high=1),
-           inert="hora's autotune tries a small fixed set of batch sizes, not Bayesian "
-           "optimisation.", doc_table="inert"),
+           inert=var.AUTOTUNE_GAUSSIAN_PROCESS_NOISE.why, doc_table="inert"),
     # ------------------------------------------------------------------ elastic
     Option(("--min-np", "--min-num-proc"), "min_np", "elastic", "int", metavar="N",
            bounds=AT_LEAST_ONE, makes_elastic=True,
@@ -404,8 +407,7 @@ OPTIONS: tuple[Option, ...] = (
     # ------------------------------------------------------------------ library options
     _switch("--mpi-threads-disable", opposite=("--no-mpi-threads-disable",), group="library",
             config_key="library_options.mpi_threads_disable",
-            inert="hora's MPI transport needs MPI_THREAD_MULTIPLE (each communicator calls MPI "
-            "from its own thread).", doc_table="inert"),
+            inert=var.MPI_THREADS_DISABLE.why, doc_table="inert"),
     Option(("--mpi-args",), "mpi_args", "library", "text", metavar="ARGS",
            help="extra arguments for mpirun (with --mpi)",
            doc="With `--mpi`: extra arguments for `mpirun`, as one string (`--mpi-args=\"--mca "
@@ -425,11 +427,10 @@ OPTIONS: tuple[Option, ...] = (
            "`--mpi` it has no effect.", doc_table="general"),
     Option(("--num-nccl-streams",), "num_nccl_streams", "library", "int", metavar="N",
            config_key="library_options.num_nccl_streams", bounds=NON_NEGATIVE,
-           inert="hora runs each process set's NCCL collectives on one NCCL stream, in order.",
-           doc_table="inert"),
+           inert=var.NUM_NCCL_STREAMS.why, doc_table="inert"),
     Option(("--thread-affinity",), "thread_affinity", "library", "text", metavar="CORES",
            config_key="library_options.thread_affinity",
-           inert="hora does not pin its background thread to a core.", doc_table="inert"),
+           inert=var.THREAD_AFFINITY.why, doc_table="inert"),
     Option(("--gloo-timeout-seconds",), "gloo_timeout_seconds", "library", "float",
            metavar="S", config_key="library_options.gloo_timeout_seconds",
            variable=var.GLOO_TIMEOUT_SECONDS, help="seconds ranks wait for each other",

@@ -11,7 +11,8 @@ runner reads: the job's command and size, its hosts (:class:`HostOptions`), its 
 ``--host-discovery-script`` make the job elastic, and the driver is :mod:`hora.runner.elastic`),
 ``--mpi``'s (:class:`MpiOptions`) and the engine's variables to export. A field that holds one
 flag's value names that flag (:func:`flag`) and is filled from the table; only what is worked out
-from several flags or the environment is built by hand. It does not start anything.
+from several flags or the environment is built by hand. :func:`from_values` builds the same options
+from flag values given by name (``hora.run``'s arguments). It does not start anything.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "env_seconds",
     "flag",
     "flag_of",
+    "from_values",
     "notes",
     "parse",
     "read",
@@ -521,12 +523,13 @@ def _build(kind: type[_DataclassT], values: Values, **worked_out: Any) -> _Datac
 
 
 def _interfaces(values: Values) -> tuple[str, ...]:
-    """``--network-interface`` (repeatable) and ``--network-interfaces`` (comma-separated), in
-    order, each once."""
-    interfaces = list(values["network_interface"] or [])
-    if values["network_interfaces"]:
-        interfaces += [i.strip() for i in values["network_interfaces"].split(",") if i.strip()]
-    return tuple(dict.fromkeys(interfaces))
+    """``--network-interface`` (repeatable) and ``--network-interfaces``, in order, each once.
+    A value of either may name several, separated by commas (``eth0,eth1``), as horovodrun
+    splits both."""
+    given = values["network_interface"] or []
+    texts = [given] if isinstance(given, str) else list(given)
+    texts.append(values["network_interfaces"] or "")
+    return tuple(dict.fromkeys(name for text in texts for name in config.interfaces(text)))
 
 
 def _ssh(values: Values) -> SshSettings:
@@ -543,23 +546,27 @@ def _ssh(values: Values) -> SshSettings:
     )
 
 
-def _elastic_timeout_s(values: Values) -> float:
-    """``--elastic-timeout``, else ``HORA_ELASTIC_TIMEOUT`` (or its Horovod twin)."""
+def _elastic_timeout_s(values: Values, env: Mapping[str, str] | None = None) -> float:
+    """``--elastic-timeout``, else ``HORA_ELASTIC_TIMEOUT`` (or its Horovod twin) of ``env``
+    (default: ours)."""
     if values["elastic_timeout"] is not None:
         return float(values["elastic_timeout"])
     try:
-        return float(config.read(ELASTIC_TIMEOUT))
+        return float(config.read(ELASTIC_TIMEOUT, env))
     except ValueError:
         # The workers refuse the value, naming it; the driver keeps the default.
         return float(ELASTIC_TIMEOUT.default)
 
 
-def _elastic(values: Values, np: int) -> ElasticOptions | None:
+def _elastic(
+    values: Values, np: int, env: Mapping[str, str] | None = None
+) -> ElasticOptions | None:
     """The elastic flags with their defaults; ``None`` when the job is not elastic."""
     if not _is_elastic(values):
         return None
     min_np = values["min_np"] if values["min_np"] is not None else np
-    return _build(ElasticOptions, values, min_np=min_np, timeout_s=_elastic_timeout_s(values))
+    timeout_s = _elastic_timeout_s(values, env)
+    return _build(ElasticOptions, values, min_np=min_np, timeout_s=timeout_s)
 
 
 def _job_size(parser: argparse.ArgumentParser, values: Values, command: list[str]) -> int:
@@ -602,23 +609,80 @@ def parse(argv: Sequence[str] | None = None) -> LaunchOptions | Query:
     values, command = read(argv, parser)
     _check(values)
     launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
-    hosts = _build(
-        HostOptions,
-        values,
-        interfaces=_interfaces(values),
-        ssh=_ssh(values),
-        discovery_timeout_s=env_seconds(HOST_DISCOVERY_TIMEOUT),
-    )
+    hosts = _host_options(values)
     for query in Query:
         if values[query.value]:
             return query
     np = _job_size(parser, values, command)
+    return _launch_options(values, command, np, hosts, launcher_timeout_s)
+
+
+def from_values(
+    given: Mapping[str, Any], command: Sequence[str], env: Mapping[str, str] | None = None
+) -> LaunchOptions:
+    """The options of a job described by flag values rather than a command line (``hora.run``).
+
+    Every check of :func:`parse` applies, and so does the rule of argparse's exclusive groups
+    (``-H``, ``--hostfile`` and ``--host-discovery-script``; ``--gloo`` and ``--mpi``).
+
+    Args:
+        given: flag values by ``dest`` (``{"np": 2, "hosts": "localhost:2"}``), as the parser
+            would store them; every flag not named (or ``None``) is not given.
+        command: what every worker runs.
+        env: the job's environment, where the launcher's ``HORA_*`` settings are read (default:
+            ours).
+
+    Raises:
+        Refused: a flag asks for what hora cannot do.
+        OptionError: a value is out of range, flags that exclude each other are given together,
+            or neither ``np`` nor ``min_np`` is.
+        ValueError: ``given`` names no flag of :data:`hora.runner.flags.OPTIONS`.
+    """
+    unknown = sorted(set(given) - set(BY_DEST))
+    if unknown:
+        raise ValueError(f"no flag of hora.runner.flags sets {', '.join(map(repr, unknown))}")
+    values: dict[str, Any] = {option.dest: None for option in OPTIONS}
+    values.update(given)
+    for group in GROUPS:
+        named = [o.flag for o in OPTIONS if o.group == group.name and values[o.dest]]
+        if group.exclusive and len(named) > 1:
+            raise OptionError(f"{' and '.join(named)} cannot be given together; give one.")
+    reasons = refusals(values)
+    if reasons:
+        raise Refused(reasons)
+    _check(values)
+    launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS, env)
+    hosts = _host_options(values, env)
+    np: int | None = values["np"] if values["np"] is not None else values["min_np"]
+    if np is None:
+        raise OptionError("-np (or --min-np) is required (the number of worker processes).")
+    return _launch_options(values, command, np, hosts, launcher_timeout_s, env)
+
+
+def _host_options(values: Values, env: Mapping[str, str] | None = None) -> HostOptions:
+    return _build(
+        HostOptions,
+        values,
+        interfaces=_interfaces(values),
+        ssh=_ssh(values),
+        discovery_timeout_s=env_seconds(HOST_DISCOVERY_TIMEOUT, env),
+    )
+
+
+def _launch_options(
+    values: Values,
+    command: Sequence[str],
+    np: int,
+    hosts: HostOptions,
+    launcher_timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> LaunchOptions:
     return LaunchOptions(
         command=tuple(command),
         np=np,
         hosts=hosts,
         output=_build(OutputOptions, values),
-        elastic=_elastic(values, np),
+        elastic=_elastic(values, np, env),
         mpi=_build(MpiOptions, values),
         engine_env=MappingProxyType(engine_env(values)),
         launcher_timeout_s=launcher_timeout_s,

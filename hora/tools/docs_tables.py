@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hora.common import safe_files
-from hora.common.settings_table import VARIABLES, Variable
+from hora.common.settings_table import UNHEEDED, VARIABLES, Variable
 from hora.runner.flags import OPTIONS, Option, number_text
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -58,6 +58,23 @@ def _default(variable: Variable[Any]) -> str:
 def _variables(table: str) -> str:
     rows = [(f"`{v.env}`", _twin(v), _default(v), v.meaning) for v in VARIABLES if v.table == table]
     return _table(("Variable", "Horovod twin", "Default", "Meaning"), rows)
+
+
+def _unheeded() -> str:
+    rows = [
+        (" or ".join(f"`{name}`" for name in entry.names), entry.named_when, entry.why)
+        for entry in UNHEEDED
+    ]
+    rows += [
+        (
+            f"`{v.horovod_env}`",
+            "other than " + ", ".join(f"`{choice}`" for choice in v.choices),
+            v.lacking,
+        )
+        for v in VARIABLES
+        if v.lacking
+    ]
+    return _table(("Variable", "Named when", "What hora does instead"), rows)
 
 
 # ---------------------------------------------------------------- flags
@@ -129,6 +146,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "variables-settings": lambda: _variables("settings"),
     "variables-launcher": lambda: _variables("launcher"),
     "variables-elastic": lambda: _variables("elastic"),
+    "variables-unheeded": _unheeded,
     "flags-general": lambda: _general("general"),
     "flags-ssh": lambda: _general("ssh"),
     "flags-engine": _engine,

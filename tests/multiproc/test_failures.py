@@ -1,6 +1,7 @@
-"""Failures on real processes: a peer killed mid-job, and a rank that never submits a tensor
-(the stall inspector shuts the job down). In both cases every survivor's pending op fails with an
-error that says why, instead of hanging.
+"""Failures on real processes: a peer killed mid-job, a rank that never submits a tensor (the
+stall inspector shuts the job down when a shutdown time is set), and a deadlock. In each case
+every survivor's pending op fails with an error that says why, instead of hanging; a rank that is
+only busy, by default, is waited for.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def test_stall_inspector_shuts_a_stalled_job_down(np: int) -> None:
 
 
 # Deadlocks are recognised after HORA_GLOO_TIMEOUT_SECONDS; the stall limits stay at their
-# defaults (a warning after 60 s, the end of the job after 600 s), far beyond this test.
+# defaults (a warning after 60 s, far beyond this test; no shutdown).
 DEADLOCK_ENV = {"HORA_GLOO_TIMEOUT_SECONDS": "3"}
 
 
@@ -143,6 +144,76 @@ def test_a_deadlock_ends_the_job_naming_who_waits_for_what(np: int) -> None:
         assert 3 <= observed["elapsed_s"] < 20, observed
         assert "shut down" in observed["after"]["message"]
         assert observed["again"].tolist() == [float(np)]
+
+
+# HORA_STALL_SHUTDOWN_TIME_SECONDS keeps its default (0, as Horovod's): the busy rank outlasts
+# the stall check time and the collective timeout, and the job goes on.
+BUSY_ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_GLOO_TIMEOUT_SECONDS": "2"}
+BUSY_S = 5.0
+
+
+def _busy_then_deadlocked_worker() -> dict[str, Any]:
+    import logging
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    from .jobs import error_of
+
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("hora").addHandler(Collect())
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    hvd.allreduce(torch.ones(1), name="before")
+    # The last rank evaluates alone while the others wait in their next collective.
+    start = time.monotonic()
+    if rank == size - 1:
+        time.sleep(BUSY_S)
+    busy = error_of(lambda: hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after_busy"))
+    busy_s = time.monotonic() - start
+    # Then a real deadlock: rank 0 skips the allgather that the others make.
+    start = time.monotonic()
+    if rank == 0:
+        deadlock = error_of(hvd.barrier)
+    else:
+        deadlock = error_of(lambda: hvd.allgather(torch.ones(1, 2)))
+    deadlock_s = time.monotonic() - start
+    hvd.shutdown()
+    return {
+        "busy": busy,
+        "busy_s": busy_s,
+        "deadlock": deadlock,
+        "deadlock_s": deadlock_s,
+        "warnings": warnings,
+    }
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 3])
+def test_by_default_a_busy_rank_is_waited_for_and_a_deadlock_still_ends_the_job(np: int) -> None:
+    ranks = run_job(_busy_then_deadlocked_worker, np, env=BUSY_ENV, timeout_s=60)
+
+    busy = np - 1
+    for rank, observed in enumerate(ranks):
+        assert observed["busy"] is None, f"rank {rank}: {observed['busy']}"
+        if rank != busy:
+            assert observed["busy_s"] >= BUSY_S - 0.5, observed
+        deadlock = observed["deadlock"]
+        assert deadlock is not None, f"rank {rank}'s call completed"
+        assert "Deadlock: every rank waits" in deadlock["message"], deadlock
+        assert observed["deadlock_s"] < 20, observed
+    # The stall was reported (the warning stays), but did not end the job.
+    reports = [w for w in ranks[0]["warnings"] if "Missing ranks:" in w]
+    assert any(f"\n{busy}: [allreduce.after_busy]" in w for w in reports), ranks[0]["warnings"]
+    assert not any("Will shutdown" in w for w in ranks[0]["warnings"])
 
 
 def _left_by_a_peer_worker() -> dict[str, Any]:

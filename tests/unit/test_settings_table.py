@@ -44,6 +44,79 @@ def test_variable_names_are_unique_and_twins_are_horovods() -> None:
         assert variable.meaning.strip(), f"{variable.env} has no meaning for the docs"
 
 
+# The variables Horovod reads at run time (horovod/common/common.h, its env parser and
+# operations, horovodrun's workers' environment), and HOROVOD_GPU_OPERATIONS, which Horovod reads
+# when it is built.
+HOROVODS = {
+    "HOROVOD_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME",
+    "HOROVOD_CACHE_CAPACITY",
+    "HOROVOD_STALL_CHECK_DISABLE",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS",
+    "HOROVOD_DYNAMIC_PROCESS_SETS",
+    "HOROVOD_TIMELINE",
+    "HOROVOD_TIMELINE_MARK_CYCLES",
+    "HOROVOD_AUTOTUNE",
+    "HOROVOD_AUTOTUNE_LOG",
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+    "HOROVOD_DISABLE_GROUP_FUSION",
+    "HOROVOD_LOG_LEVEL",
+    "HOROVOD_LOG_HIDE_TIME",
+    "HOROVOD_CPU_OPERATIONS",
+    "HOROVOD_CONTROLLER",
+    "HOROVOD_GPU_OPERATIONS",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_HIERARCHICAL_ALLGATHER",
+    "HOROVOD_TORUS_ALLREDUCE",
+    "HOROVOD_GLOO_IFACE",
+    "HOROVOD_START_TIMEOUT",
+    "HOROVOD_RANK",
+    "HOROVOD_SIZE",
+    "HOROVOD_LOCAL_RANK",
+    "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK",
+    "HOROVOD_CROSS_SIZE",
+    "HOROVOD_HOSTNAME",
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+    "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    "HOROVOD_ELASTIC",
+    "HOROVOD_ELASTIC_TIMEOUT",
+    "HOROVOD_SECRET_KEY",
+    "HOROVOD_MPI_THREADS_DISABLE",
+    "HOROVOD_BATCH_D2D_MEMCOPIES",
+    "HOROVOD_NUM_NCCL_STREAMS",
+    "HOROVOD_CCL_CACHE",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE",
+    "HOROVOD_THREAD_AFFINITY",
+    "HOROVOD_DISABLE_NVTX_RANGES",
+    "HOROVOD_ENABLE_ASYNC_COMPLETION",
+    "HOROVOD_ENABLE_XLA_OPS",
+}
+
+
+def test_every_horovod_name_hora_reads_is_horovods_and_none_is_dropped() -> None:
+    twins = {v.horovod_env for v in table.VARIABLES if v.horovod_env}
+    also = {n for v in table.VARIABLES for n in v.also_read if n.startswith("HOROVOD_")}
+    unheeded = {n for entry in table.UNHEEDED for n in entry.names if n.startswith("HOROVOD_")}
+    # docs/environment.md lists as twins only variables Horovod has ...
+    assert twins <= HOROVODS, sorted(twins - HOROVODS)
+    assert also | unheeded <= HOROVODS, sorted((also | unheeded) - HOROVODS)
+    # ... and every variable Horovod has is acted on, or named at hvd.init() when set.
+    assert twins | also | unheeded >= HOROVODS, sorted(HOROVODS - twins - also - unheeded)
+
+
+def test_horarun_and_init_give_one_reason_for_what_has_no_effect() -> None:
+    reasons = {entry.why for entry in table.UNHEEDED}
+    for option in OPTIONS:
+        if option.doc_table == "inert":
+            assert option.inert in reasons, option.flag
+
+
 def test_defaults_lie_within_their_bounds_and_choices() -> None:
     for variable in table.VARIABLES:
         if variable.default is not None:

@@ -1,9 +1,11 @@
 """The stall inspector: notices when some ranks wait for others that never submit a tensor.
 
 It reads the negotiation table (which every rank holds in full) and, on global rank 0, logs which
-ranks are missing which tensors. Past the shutdown limit it returns a reason to stop the job.
-It also recognises a deadlock, where every rank waits for a tensor another rank never submits,
-from what each rank says it waits for. It knows the table's contents, never tensors or stores.
+ranks are missing which tensors. Past the shutdown limit, when one is set (by default none is, as
+in Horovod: a rank may work alone as long as it needs), it returns a reason to stop the job. It
+also recognises a deadlock, where every rank waits for a tensor another rank never submits, from
+what each rank says it waits for; that ends the job whatever the shutdown limit. It knows the
+table's contents, never tensors or stores.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class StallInspector:
 
     Args:
         warning_time_s: how long a tensor may wait before a warning.
-        shutdown_time_s: how long before the job is stopped (0: never).
+        shutdown_time_s: how long before the job is stopped (0, the default: never).
         enabled: whether to check at all.
     """
 

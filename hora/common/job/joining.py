@@ -24,7 +24,6 @@ import errno
 import ipaddress
 import json
 import logging
-import os
 import secrets
 import socket
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hora.common import settings_table as table
-from hora.common.config import raw, read
+from hora.common.config import gloo_interface, raw, read
 from hora.common.job import port_file, store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
 from hora.common.job.store import (
@@ -105,11 +104,11 @@ def _own_address(topology: Topology) -> str:
     """The address rank 0 offers the other ranks when no variable names one (MPI with mpi4py)."""
     if _all_local(topology):
         return "127.0.0.1"
-    interface = read(table.GLOO_IFACE) or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    interface = gloo_interface()
     if interface:
         import psutil
 
-        for entry in psutil.net_if_addrs().get(interface.split(",")[0], []):
+        for entry in psutil.net_if_addrs().get(interface, []):
             if entry.family == socket.AF_INET:
                 return str(entry.address)
         raise TopologyError(f"network interface {interface!r} has no IPv4 address on this host.")

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from hora.common import settings_table as table
-from hora.common.config import Settings, read
+from hora.common.config import Settings, cpu_operations, gloo_interface
 from hora.common.job.launchers import mpi_identity
 from hora.common.job.store import StoreClient
 from hora.common.job.topology import Topology
@@ -45,7 +45,7 @@ def cpu_communicators(
     old, new = raise_open_file_limit()
     if new != old:
         logger.debug("rank %d raised its open-file limit from %d to %d", topology.rank, old, new)
-    interface = read(table.GLOO_IFACE) or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    interface = gloo_interface()
     bind = "127.0.0.1" if topology.all_local and not interface else ""
     device = make_device(bind, interface)
 
@@ -154,7 +154,9 @@ def mpi_job_comm(comm: Any, topology: Topology, settings: Settings) -> Any:
     """
     if comm is None and settings.cpu_operations != "mpi":
         return None
-    why = "hvd.init(comm=...)" if comm is not None else "HORA_CPU_OPERATIONS=mpi"
+    why = "hvd.init(comm=...)"
+    if comm is None:
+        why = f"{cpu_operations()[1] or table.CPU_OPERATIONS.env}=mpi"
     launched_by_mpi = mpi_identity(os.environ) is not None
     if not launched_by_mpi and (topology.size > 1 or comm is not None):
         raise ValueError(
