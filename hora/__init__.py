@@ -1,32 +1,30 @@
 """hora: Horovod-compatible distributed data-parallel training for PyTorch, in pure Python.
 
 ``import hora.torch as hvd`` gives Horovod's PyTorch API; ``horarun`` launches jobs;
-``hora.run(fn, np=N)`` runs a function on N local workers and returns their results.
+``hora.run(func, num_proc=N)`` (Horovod's ``horovod.run``) runs a function on the workers of a
+job, on this machine, on other hosts over SSH, or elastic, and returns their results.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hora.common.errors import HoraInternalError, HorovodInternalError
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from hora.runner.api import run
 
-def run(
-    fn: Any,
-    args: tuple[Any, ...] = (),
-    kwargs: dict[str, Any] | None = None,
-    np: int = 1,
-    **options: Any,
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``np`` worker processes and return each rank's result.
 
-    See :func:`hora.runner.api.run` for the options.
-    """
-    from hora.runner.api import run as _run
+def __getattr__(name: str) -> Any:
+    # ``hora.run`` is :func:`hora.runner.api.run` (Horovod's ``horovod.run``), loaded on first
+    # use: ``import hora.torch`` does not load the launcher.
+    if name == "run":
+        from hora.runner.api import run
 
-    return _run(fn, args=args, kwargs=kwargs, np=np, **options)
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["HoraInternalError", "HorovodInternalError", "__version__", "run"]

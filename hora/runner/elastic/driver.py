@@ -99,16 +99,23 @@ class Driver:
 
     # -------------------------------------------------------- the loop
 
-    def run(self) -> int:
+    def run(self, timeout_s: float | None = None) -> int:
         """Drive the job to its end; returns horarun's exit status.
+
+        Args:
+            timeout_s: give up after this long (``hora.run``'s ``timeout_s``; default never).
 
         Raises:
             ElasticError: the job cannot go on.
+            TimeoutError: ``timeout_s`` passed first (the workers are still running).
         """
+        deadline = None if timeout_s is None else self.clock() + timeout_s
         while True:
             result = self.step()
             if result is not None:
                 return result
+            if deadline is not None and self.clock() > deadline:
+                raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
             time.sleep(POLL_S)
 
     def step(self) -> int | None:

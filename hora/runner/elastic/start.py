@@ -107,8 +107,12 @@ class ElasticPlan:
         worker_timeout = self.limits.timeout_s + WORKER_TIMEOUT_SLACK_S
         return {table.ELASTIC_TIMEOUT.env: f"{worker_timeout:g}"}
 
-    def run(self, job: Job) -> Outcome:
-        """Drive the job's rounds to the end, watching the hosts meanwhile."""
+    def run(self, job: Job, timeout_s: float | None = None) -> Outcome:
+        """Drive the job's rounds to the end, watching the hosts meanwhile.
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed first (``hora.run``'s; the caller stops the job).
+        """
         driver = Driver(
             self.limits,
             HostManager(Blacklist(self.limits.cooldown)),
@@ -119,7 +123,7 @@ class ElasticPlan:
         )
         self.watcher.start()
         try:
-            status = driver.run()
+            status = driver.run(timeout_s)
             return Outcome(status, f"the job failed.\n{driver.report()}" if status else "")
         except ElasticError as exc:
             details = driver.report()
