@@ -30,12 +30,45 @@ def mpi_built() -> bool:
 
 
 def nccl_built() -> int:
-    """1 where this torch has NCCL, so that collectives on CUDA tensors run over NCCL
-    (``HORA_GPU_OPERATIONS=nccl``, the default); 0 where CUDA tensors can only go through host
-    memory."""
+    """NCCL's version code where this torch has NCCL, so that collectives on CUDA tensors run
+    over NCCL (``HORA_GPU_OPERATIONS=nccl``, the default); 0 where CUDA tensors can only go
+    through host memory.
+
+    As Horovod's, the code is NCCL's ``NCCL_VERSION_CODE`` (21803 for NCCL 2.18.3), so
+    ``if hvd.nccl_built():`` and version comparisons both work.
+
+    Example:
+        >>> if hvd.nccl_built() >= 21803:  # NCCL 2.18.3 or later
+        ...     print("NCCL", hvd.nccl_built())
+    """
     from hora.common.transport.nccl import nccl_compiled
 
-    return int(nccl_compiled())
+    if not nccl_compiled():
+        return 0
+    import torch
+
+    nccl: Any = torch.cuda.nccl
+    return nccl_version_code(nccl.version())
+
+
+def nccl_version_code(version: tuple[int, ...] | int) -> int:
+    """NCCL's ``NCCL_VERSION_CODE`` for the version torch reports.
+
+    ``torch.cuda.nccl.version()`` is a tuple such as ``(2, 18, 3)`` (older torch releases
+    return the code itself, an int). NCCL numbers releases up to 2.8 as
+    ``major * 1000 + minor * 100 + patch`` and later ones as
+    ``major * 10000 + minor * 100 + patch`` (its ``NCCL_VERSION`` macro).
+
+    Example:
+        >>> nccl_version_code((2, 18, 3)), nccl_version_code((2, 7, 8))
+        (21803, 2708)
+    """
+    if isinstance(version, int):
+        return version
+    major, minor, patch = (list(version) + [0, 0, 0])[:3]
+    if major <= 2 and minor <= 8:
+        return major * 1000 + minor * 100 + patch
+    return major * 10000 + minor * 100 + patch
 
 
 def ddl_built() -> bool:

@@ -9,22 +9,31 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from hora.common.errors import NOT_INITIALIZED
+
 
 class ProcessSet:
     """A subset of the job's ranks, usable as ``process_set=`` on every collective.
 
+    Until the set is registered (``hvd.init(process_sets=[...])`` or ``hvd.add_process_set``),
+    :meth:`size` and :meth:`rank` return ``None``, as Horovod's do.
+
     Args:
-        ranks: the global ranks of the members (any order; duplicates are an error).
+        ranks_or_comm: the global ranks of the members (any order; duplicates are an error),
+            or an mpi4py communicator whose processes are the members.
 
     Example:
         >>> evens = hvd.ProcessSet([0, 2])
+        >>> evens.size() is None  # not registered yet
+        True
         >>> hvd.init(process_sets=[evens])
         >>> if evens.included():
         ...     hvd.allreduce(x, process_set=evens)
     """
 
-    def __init__(self, ranks: Iterable[int] | Any) -> None:
+    def __init__(self, ranks_or_comm: Iterable[int] | Any) -> None:
         self.mpi_comm: Any = None
+        ranks = ranks_or_comm
         if hasattr(ranks, "Get_rank") and hasattr(ranks, "Get_group"):
             # An mpi4py communicator: its members are the global ranks it contains.
             self.mpi_comm = ranks
@@ -45,28 +54,42 @@ class ProcessSet:
     def _unbind(self) -> None:
         self.process_set_id = None
 
-    def _require_registered(self) -> None:
+    def _bound_rank(self) -> int | None:
+        """This process's global rank, once the set is registered; ``None`` before."""
         if self.process_set_id is None:
-            raise ValueError(
-                f"{self} is not registered: pass it to hvd.init(process_sets=[...]) or "
-                "hvd.add_process_set(...) first."
-            )
+            return None
+        if self._my_rank is None:  # the global set, before the first hvd.init()
+            raise ValueError(NOT_INITIALIZED)
+        return self._my_rank
 
-    def size(self) -> int:
-        """Number of ranks in the set."""
-        self._require_registered()
+    def size(self) -> int | None:
+        """Number of ranks in the set; ``None`` while the set is not registered."""
+        if self._bound_rank() is None:
+            return None
         return len(self.ranks)
 
-    def rank(self) -> int:
-        """This process's rank within the set (-1 when it is not a member)."""
-        self._require_registered()
-        assert self._my_rank is not None
-        return self.ranks.index(self._my_rank) if self._my_rank in self.ranks else -1
+    def rank(self) -> int | None:
+        """This process's rank within the set (-1 when it is not a member); ``None`` while the
+        set is not registered."""
+        my_rank = self._bound_rank()
+        if my_rank is None:
+            return None
+        return self.ranks.index(my_rank) if my_rank in self.ranks else -1
 
-    def included(self) -> bool:
-        """Whether this process is a member."""
-        self._require_registered()
-        return self._my_rank in self.ranks
+    def included(self) -> bool | None:
+        """Whether this process is a member.
+
+        Before the set is registered: ``None`` for a set made from an MPI communicator (its
+        members are known once it is registered), else whether this process's global rank is
+        one of ``ranks`` (which needs ``hvd.init()``), as Horovod answers.
+        """
+        my_rank = self._bound_rank()
+        if my_rank is None:
+            if self.mpi_comm is not None:
+                return None
+            # Every hvd.init() binds the global set to this process's rank.
+            my_rank = global_process_set._bound_rank()
+        return my_rank in self.ranks
 
     def __repr__(self) -> str:
         return (
@@ -158,3 +181,22 @@ class ProcessSetTable:
 
     def ids(self) -> list[int]:
         return sorted(self._members)
+
+
+# Horovod's horovod.common.process_sets also holds add_process_set and remove_process_set. hora
+# registers sets in hora.common.registration, which builds on this module; for scripts that
+# import them from here, the two names are looked up in it on first use, by name, so that this
+# module never imports it (no import cycle).
+_REGISTRATION = {
+    "add_process_set": "register_process_set",
+    "remove_process_set": "unregister_process_set",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRATION:
+        import importlib
+
+        registration = importlib.import_module("hora.common.registration")
+        return getattr(registration, _REGISTRATION[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

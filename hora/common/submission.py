@@ -106,6 +106,24 @@ def resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
         ) from None
 
 
+def handle_average_backwards_compatibility(op: Any, average: bool | None) -> Any:
+    """Horovod's helper for the deprecated ``average`` argument: the op a call should use.
+
+    ``op`` wins when given alone (returned as it is); ``average=True`` or ``False`` gives
+    ``Average`` or ``Sum`` (with a ``DeprecationWarning``); neither gives ``Average``.
+
+    Raises:
+        HoraValueError: both ``op`` and ``average`` were given (a ``ValueError``).
+
+    Example:
+        >>> hvd.mpi_ops.handle_average_backwards_compatibility(None, False) == hvd.Sum
+        True
+    """
+    if op is not None and average is None:
+        return op
+    return resolve_op(op, average, RequestType.ALLREDUCE)
+
+
 def check_reduction(
     kind: RequestType,
     tensors: Sequence[torch.Tensor],

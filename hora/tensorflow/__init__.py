@@ -1,10 +1,10 @@
 """hora's TensorFlow API: ``import hora.tensorflow as hvd`` in place of
 ``import horovod.tensorflow as hvd``.
 
-TensorFlow 2, eager and inside ``tf.function``. Keras users import :mod:`hora.tensorflow.keras`
-(``DistributedOptimizer`` and the callbacks). TensorFlow 1 sessions, hooks and
-``tf.compat.v1`` optimizers are not supported, and collectives cannot run in XLA-compiled code;
-each says so when used (docs/tensorflow.md).
+TensorFlow 2, eager and inside ``tf.function``, and collectives built into ``tf.compat.v1``
+graphs run by a session. Keras users import :mod:`hora.tensorflow.keras` (``DistributedOptimizer``
+and the callbacks). TensorFlow 1 hooks and ``tf.compat.v1`` optimizers are not wrapped, and
+collectives cannot run in XLA-compiled code; each says so when used (docs/tensorflow.md).
 
 Example:
     >>> import hora.tensorflow as hvd
@@ -44,6 +44,7 @@ from hora.common.build_info import (
     rocm_built,
 )
 from hora.common.collectives import Adasum, Average, Max, Min, Product, Sum
+from hora.common.engine.adasum import is_power_of_two as check_num_rank_power_of_2
 from hora.common.errors import (
     HoraInternalError,
     HoraValueError,
@@ -54,15 +55,18 @@ from hora.common.lifecycle import init, shutdown
 from hora.common.process_sets import ProcessSet
 from hora.common.registration import register_process_set as add_process_set
 from hora.common.registration import unregister_process_set as remove_process_set
+from hora.common.submission import handle_average_backwards_compatibility
 from hora.common.timeline_control import start_timeline, stop_timeline
 from hora.tensorflow._bridge import HoraTensorFlowError, HoraTensorFlowValueError
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.functions import (
     allgather_object,
+    broadcast_global_variables,
     broadcast_object,
     broadcast_object_fn,
     broadcast_variables,
 )
+from hora.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from hora.tensorflow.gradients import GradientReducer, distributed_tape
 from hora.tensorflow.ops import (
     allgather,
@@ -83,10 +87,17 @@ from hora.tensorflow.ops import (
     reducescatter,
     size_op,
 )
+from hora.tensorflow.util import _cache as _cache  # horovod.tensorflow has these three too
+from hora.tensorflow.util import _executing_eagerly as _executing_eagerly
+from hora.tensorflow.util import _make_subgraph as _make_subgraph
+from hora.tensorflow.util import refs_to_vars, vars_to_refs
 
 _TF1 = (
-    "hora.tensorflow runs TensorFlow 2 (eager and tf.function); TensorFlow 1 graphs, sessions "
-    "and hooks are not supported. "
+    "hora.tensorflow does not wrap TensorFlow 1's tf.compat.v1.train optimizers or session "
+    "hooks. Its collectives do work in tf.compat.v1 graphs: average the gradients of "
+    "compute_gradients() with hvd.grouped_allreduce before apply_gradients(), and run "
+    "hvd.broadcast_global_variables(0) once the variables are initialized (docs/tensorflow.md, "
+    "Graph mode). "
 )
 
 
@@ -179,10 +190,37 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+def DistributedOptimizer(  # Horovod's name
+    optimizer: Any,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
     """A Keras optimizer that averages gradients (see
-    :func:`hora.tensorflow.keras.DistributedOptimizer`); ``tf.compat.v1`` optimizers are not
-    supported."""
+    :func:`hora.tensorflow.keras.DistributedOptimizer`, whose options these are).
+
+    The parameters are Horovod's ``horovod.tensorflow.DistributedOptimizer``'s, in its order.
+    ``use_locking`` belongs to ``tf.compat.v1`` optimizers, which hora does not wrap (Horovod
+    too ignores it for Keras optimizers).
+
+    Raises:
+        NotImplementedError: ``optimizer`` is a ``tf.compat.v1.train.Optimizer``.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * hvd.size()))
+    """
+    del use_locking
     if isinstance(optimizer, _tf().compat.v1.train.Optimizer):
         raise NotImplementedError(
             _TF1 + "Use a Keras optimizer with hora.tensorflow.keras.DistributedOptimizer, or "
@@ -190,20 +228,31 @@ def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         )
     from hora.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 
-    return KerasDistributedOptimizer(optimizer, *args, **kwargs)
-
-
-def broadcast_global_variables(root_rank: int) -> None:
-    """Not in TensorFlow 2: use ``hvd.broadcast_variables(model.variables, root_rank)``."""
-    raise RuntimeError(
-        _TF1 + "broadcast_global_variables() needs TensorFlow 1's global variable collection: "
-        "call hvd.broadcast_variables(model.variables, root_rank=0) (and the optimizer's "
-        "variables) instead."
+    return KerasDistributedOptimizer(
+        optimizer,
+        name=name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
     )
 
 
-def BroadcastGlobalVariablesHook(*args: Any, **kwargs: Any) -> Any:
-    """Not in TensorFlow 2: sessions and hooks are TensorFlow 1 only."""
+def BroadcastGlobalVariablesHook(root_rank: int, device: str = "") -> Any:  # Horovod's name
+    """Not in TensorFlow 2: sessions and hooks are TensorFlow 1 only.
+
+    Raises:
+        NotImplementedError: always; it names what to use instead.
+    """
+    del root_rank, device
     raise NotImplementedError(
         _TF1 + "Use hvd.broadcast_variables after building the model, or, with Keras, "
         "hora.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback(0)."
@@ -212,11 +261,12 @@ def BroadcastGlobalVariablesHook(*args: Any, **kwargs: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     # Keras-backed names load on first use: `import hora.tensorflow` does not import Keras.
+    # (``mpi_ops`` re-exports every name here, SyncBatchNormalization included.)
     if name == "SyncBatchNormalization":
         from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
 
         return SyncBatchNormalization
-    if name in ("elastic", "keras"):
+    if name in ("elastic", "keras", "mpi_ops"):
         import importlib
 
         return importlib.import_module(f"hora.tensorflow.{name}")
@@ -242,6 +292,7 @@ __all__ = [
     "HoraValueError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "LocalGradientAggregationHelper",
     "Max",
     "Min",
     "PartialDistributedGradientTape",
@@ -262,6 +313,7 @@ __all__ = [
     "broadcast_object_fn",
     "broadcast_variables",
     "ccl_built",
+    "check_num_rank_power_of_2",
     "cross_rank",
     "cross_size",
     "cuda_built",
@@ -272,6 +324,7 @@ __all__ = [
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
+    "handle_average_backwards_compatibility",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -288,6 +341,7 @@ __all__ = [
     "rank",
     "rank_op",
     "reducescatter",
+    "refs_to_vars",
     "remove_process_set",
     "rocm_built",
     "shutdown",
@@ -295,5 +349,6 @@ __all__ = [
     "size_op",
     "start_timeline",
     "stop_timeline",
+    "vars_to_refs",
     "metrics",
 ]

@@ -28,7 +28,8 @@ from hora.common.errors import HoraValueError
 from hora.common.message import RequestType
 from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
-from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, run_python
+from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, run_python, session_graph
+from hora.tensorflow.compression import Compression
 
 # Unsigned types the engine does not reduce; they are reduced as int64.
 _WIDENED = (tf.uint16, tf.uint32)
@@ -152,7 +153,7 @@ def allreduce(
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
-    compression: Any = None,
+    compression: Any = Compression.none,
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -184,7 +185,6 @@ def allreduce(
     """
     del device_dense, device_sparse, ignore_name_scope
     from hora.common import submission
-    from hora.tensorflow.compression import Compression
 
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
     if isinstance(tensor, tf.IndexedSlices):
@@ -204,13 +204,13 @@ def grouped_allreduce(
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
-    compression: Any = None,
+    compression: Any = Compression.none,
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-    name: str | None = None,
     ignore_name_scope: bool = False,
+    name: str | None = None,
 ) -> list[Any]:
     """Reduce a list of tensors as one negotiated, fused operation (see :func:`allreduce`).
 
@@ -218,7 +218,6 @@ def grouped_allreduce(
     """
     del device_dense, device_sparse, ignore_name_scope
     from hora.common import submission
-    from hora.tensorflow.compression import Compression
 
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
     compression = compression or Compression.none
@@ -376,8 +375,11 @@ def broadcast_(
 
     values = [as_wire(tf.convert_to_tensor(v)) for v in variables]
     received = run(send, values, [v.dtype for v in values], [v.shape for v in values], "broadcast")
-    for variable, value in zip(variables, received):
-        variable.assign(from_wire(value, variable.dtype))
+    assigned = [variable.assign(from_wire(value, variable.dtype))
+                for variable, value in zip(variables, received)]  # fmt: skip
+    if session_graph() is not None:
+        # A session runs only what the values it is asked for depend on: the assignments.
+        return [tf.identity(a) for a in assigned]
     return [tf.convert_to_tensor(v) for v in variables]
 
 
@@ -465,9 +467,11 @@ def _reducescatter(
     grouped: bool,
 ) -> list[tf.Tensor]:
     def backward(_inputs: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
+        from hora.common import submission
+
         scale = prescale_factor * postscale_factor
         if op == Sum:
-            scale *= process_set.size()
+            scale *= submission.set_size(process_set)
         scaled = [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in upstream]
         return _allgather(scaled, None, process_set, grouped)
 
@@ -492,7 +496,7 @@ def _scatter_op(op: Any) -> Any:
 def reducescatter(
     tensor: Any,
     device_dense: str = "",
-    compression: Any = None,
+    compression: Any = Compression.none,
     op: Any = Average,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
@@ -503,8 +507,6 @@ def reducescatter(
     """Reduce across ranks and return this rank's slice of dimension 0 (the first
     ``dim0 % size`` ranks get one extra row). Differentiable."""
     del device_dense, ignore_name_scope
-    from hora.tensorflow.compression import Compression
-
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     (result,) = _reducescatter(
@@ -516,18 +518,20 @@ def reducescatter(
 def grouped_reducescatter(
     tensors: Sequence[Any],
     device_dense: str = "",
-    compression: Any = None,
+    compression: Any = Compression.none,
     op: Any = Average,
-    name: str | None = None,
     process_set: ProcessSet = global_process_set,
-    ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    *,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
 ) -> list[tf.Tensor]:
-    """Reducescatter each tensor of a list, negotiated together."""
-    del device_dense, ignore_name_scope
-    from hora.tensorflow.compression import Compression
+    """Reducescatter each tensor of a list, negotiated together.
 
+    The positional parameters are Horovod's, in its order; ``name`` (hora's) is keyword-only.
+    """
+    del device_dense, ignore_name_scope
     compression = compression or Compression.none
     compressed = [compression.compress(t) for t in _tensors(tensors)]
     results = _reducescatter(
@@ -550,20 +554,26 @@ def join() -> tf.Tensor:
 
     Returns the last rank to join (an int32 scalar tensor, the same on every rank).
     """
-    return run_python(collectives.join, tf.int32, "join")
+    return run_python(collectives.join, tf.int32, "join", waits=True)
 
 
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every rank of ``process_set`` has called ``barrier``."""
+def barrier(process_set: ProcessSet = global_process_set) -> tf.Operation | None:
+    """Block until every rank of ``process_set`` has called ``barrier``.
+
+    In a ``tf.compat.v1`` graph it returns the op to run (``session.run(hvd.barrier())``);
+    eagerly and inside ``tf.function`` it returns ``None`` (a ``tf.function`` runs it in
+    program order).
+    """
     if tf.executing_eagerly():
         collectives.barrier(process_set)
-        return
+        return None
 
     def wait() -> int:
         collectives.barrier(process_set)
         return 0
 
-    run_python(wait, tf.int32, "barrier")
+    done = run_python(wait, tf.int32, "barrier", waits=True)
+    return done.op if session_graph() is not None else None
 
 
 def _set_size(process_set_id: int) -> int:

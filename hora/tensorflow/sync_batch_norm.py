@@ -55,16 +55,32 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):  # type: ignor
     """``tf.keras.layers.BatchNormalization`` with batch statistics over all ranks.
 
     Args:
-        process_set: the ranks whose batches are combined (default: all).
+        fused: must be ``False`` (Horovod's default): a fused kernel computes the statistics of
+            the local batch only, so ``True`` and ``None`` are refused, as Horovod refuses them.
+        process_set: the ranks whose batches are combined (default: all); keyword-only.
         **kwargs: ``BatchNormalization``'s arguments (``axis``, ``momentum``, ``epsilon``, ...).
+
+    Raises:
+        ValueError: ``fused`` is ``True`` or ``None``.
 
     Example:
         >>> model = tf.keras.Sequential([tf.keras.layers.Dense(32),
         ...                              hvd.SyncBatchNormalization(), tf.keras.layers.ReLU()])
     """
 
-    def __init__(self, process_set: ProcessSet = ops.global_process_set, **kwargs: Any):
-        kwargs.pop("fused", None)
+    def __init__(
+        self,
+        fused: bool | None = False,
+        *,
+        process_set: ProcessSet = ops.global_process_set,
+        **kwargs: Any,
+    ) -> None:
+        if fused is None or fused:
+            raise ValueError(
+                f"SyncBatchNormalization does not support fused={fused!r}: a fused kernel "
+                "normalizes with the local batch's statistics only. Leave fused=False (the "
+                "default); pass a process set as process_set=..."
+            )
         if "fused" in inspect.signature(tf.keras.layers.BatchNormalization.__init__).parameters:
             kwargs["fused"] = False  # tf_keras: its fused kernel computes local statistics
         super().__init__(**kwargs)
@@ -74,7 +90,8 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):  # type: ignor
         process_set = self._hora_process_set
         if process_set is ops.global_process_set:
             return bool(basics.is_initialized() and basics.size() > 1)
-        return process_set.size() > 1
+        members = process_set.size()  # None: not registered, and the allreduce says so
+        return members is None or members > 1
 
     def _hora_axes(self, inputs: tf.Tensor) -> list[int]:
         axis = self.axis if isinstance(self.axis, (list, tuple)) else [self.axis]

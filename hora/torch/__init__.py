@@ -161,3 +161,13 @@ __all__ = [
     "sparse_allreduce_async",
     "synchronize",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # ``hvd.mpi_ops`` without importing it, as in Horovod, where the package loads it. It
+    # re-exports this package's names, so it loads once they are all defined.
+    if name == "mpi_ops":
+        import importlib
+
+        return importlib.import_module("hora.torch.mpi_ops")
+    raise AttributeError(f"module 'hora.torch' has no attribute {name!r}")

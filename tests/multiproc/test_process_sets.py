@@ -54,10 +54,21 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     from hora.common.submission import RepeatedAllreduce
 
     static = hvd.ProcessSet(range(size - 1))
+    # Horovod's queries before registration: size and rank are None; included needs init.
+    out: dict[str, Any] = {
+        "before_init": {
+            "id": static.process_set_id,
+            "size": static.size(),
+            "rank": static.rank(),
+            "included": error_of(static.included),
+        }
+    }
+    never_added = hvd.ProcessSet(ranks_or_comm=[0])  # Horovod's keyword
     hvd.init(process_sets=[static])
     rank = hvd.rank()
     x = torch.ones(4)
-    out: dict[str, Any] = {"static": _describe(static)}
+    out["static"] = _describe(static)
+    out["never_added"] = _describe(never_added)
     if static.included():
         out["static_ops"] = _set_ops(hvd, rank, static, "static", root=size - 2, outsider=size - 1)
     else:
@@ -84,6 +95,7 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     out["removed"] = hvd.remove_process_set(dynamic)
     out["removed_again"] = hvd.remove_process_set(dynamic)
     out["after_remove"] = error_of(lambda: hvd.allreduce(x, process_set=dynamic))
+    out["removed_describe"] = _describe(dynamic)
     out["repeated_after_remove"] = error_of(repeat)
     hvd.add_process_set(dynamic)
     out["readded_id"] = dynamic.process_set_id
@@ -149,6 +161,28 @@ def test_static_set_runs_collectives_among_its_members(job: Any) -> None:
             "included": rank in members,
         }
     _check_set_ops(np, ranks, "static_ops", members, root=members[-1])
+
+
+@pytest.mark.timeout(120)
+def test_unregistered_sets_answer_none_as_horovods_do(job: Any) -> None:
+    np, ranks = job
+    for rank, observed in enumerate(ranks):
+        before = observed["before_init"]
+        assert (before["id"], before["size"], before["rank"]) == (None, None, None)
+        assert_raised(before["included"], ValueError, "hvd.init()")
+        # Made after init but never added: no id, no size or rank; membership by its ranks.
+        assert observed["never_added"] == {
+            "id": None,
+            "size": None,
+            "rank": None,
+            "included": rank == 0,
+        }
+        assert observed["removed_describe"] == {
+            "id": None,
+            "size": None,
+            "rank": None,
+            "included": rank != 0,
+        }
 
 
 @pytest.mark.timeout(120)

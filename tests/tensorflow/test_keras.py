@@ -39,7 +39,7 @@ SIZE_CHECKS = [
     "metrics",
     "learning_rate",
 ]
-ALL_CHECKS = ["helpers", *SIZE_CHECKS, "checkpoint", "load_model", "errors"]
+ALL_CHECKS = ["helpers", *SIZE_CHECKS, "checkpoint", "load_model", "errors", "horovod_calls"]
 JOBS = [("keras3", 2), ("keras3", 3), ("tf_keras", 2), ("tf_keras", 3)]
 
 
@@ -522,6 +522,54 @@ def check_errors(hvd: Any, tf: Any, flavor: str, tmp: str) -> dict[str, Any]:
     return out
 
 
+def check_horovod_calls(hvd: Any, tf: Any, flavor: str, tmp: str) -> dict[str, Any]:
+    """Calls written as Horovod's modules take them: positional in each module's order, and
+    ``name=`` naming the optimizer."""
+    import hora.keras as hvd_keras
+    import hora.tensorflow as hvd_tf
+
+    k, r = tf.keras, hvd.rank()
+    out: dict[str, Any] = {}
+    for family, make in _optimizers(k, flavor).items():
+        plain = make(1.0)  # Keras 3 numbers its default names: sgd_1, sgd_2, ...
+        named = hvd.DistributedOptimizer(make(1.0), name="dist_sgd")
+        out[family] = {  # the config's name: tf_keras's legacy optimizers have no .name
+            "named": named.get_config()["name"],
+            "unnamed": hvd.DistributedOptimizer(plain).get_config()["name"],
+            "plain": plain.get_config()["name"],
+        }
+        for label, opt in (("weights", named), ("control", plain)):
+            layer = _dense(k)
+            _applier(opt, layer.trainable_variables, lambda g: g)(
+                tf.fill((3, 1), float(r + 1)), tf.fill((1,), 10.0 * (r + 1))
+            )
+            out[family][label] = [np.asarray(w) for w in layer.get_weights()]
+    # horovod.tensorflow: (optimizer, name, use_locking, ..., backward_passes_per_step 8th).
+    tf_opt = hvd_tf.DistributedOptimizer(
+        k.optimizers.SGD(0.1), "tf_opt", True, "", "", hvd.Compression.none, False, 2
+    )
+    # horovod.keras: num_groups and groups follow op.
+    keras_opt = hvd_keras.DistributedOptimizer(
+        k.optimizers.SGD(0.1), "keras_opt", "", "", hvd.Compression.none, False, 1.0,
+        hvd.Average, 2,
+    )  # fmt: skip
+    out["tf_opt"] = [tf_opt.get_config()["name"], tf_opt._hora.accumulator.passes]
+    out["keras_opt"] = [keras_opt.get_config()["name"], keras_opt._hora.reducer.num_groups]
+    out["named.attribute"] = named.name if flavor == "keras3" else None
+
+    def checkpoint(cb: Any) -> list[Any]:
+        mode = getattr(cb, "mode", None) or cb.monitor_op.__name__  # tf_keras keeps the op
+        return [cb.monitor, mode, cb.save_weights_only, cb.save_freq]
+
+    out["checkpoint.keras"] = checkpoint(
+        hvd_keras.callbacks.BestModelCheckpoint("val_acc", 0, "max", 3)
+    )
+    out["checkpoint.tensorflow.keras"] = checkpoint(
+        hvd.callbacks.BestModelCheckpoint("val_acc", 0, True, "max", 3)
+    )
+    return out
+
+
 CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "helpers": check_helpers,
     "apply": check_apply,
@@ -535,6 +583,7 @@ CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "checkpoint": check_checkpoint,
     "load_model": check_load_model,
     "errors": check_errors,
+    "horovod_calls": check_horovod_calls,
 }
 
 
@@ -791,3 +840,27 @@ def test_clear_errors(job: dict[str, Any]) -> None:
         assert "BroadcastGlobalVariablesCallback" in rank["global_variables"]["message"]
         assert rank["xla"] is not None, "jit_compile=True trained without an error"
         assert "jit_compile=False" in rank["xla"]["message"], rank["xla"]
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_horovod_calls_keep_their_meaning(job: dict[str, Any]) -> None:
+    seen = _ranks(job, "horovod_calls")
+    for rank in seen:
+        for family in ("new", "legacy") if job["flavor"] == "tf_keras" else ("new",):
+            names = rank[family]
+            assert names["named"] == "dist_sgd"  # name= names the optimizer, as Horovod's
+            assert names["unnamed"] == names["plain"]  # no name: the optimizer's own
+        if job["flavor"] == "keras3":
+            assert rank["named.attribute"] == "dist_sgd"
+        assert rank["tf_opt"] == ["tf_opt", 2]
+        assert rank["keras_opt"] == ["keras_opt", 2]
+        assert rank["checkpoint.keras"][0] == "val_acc"
+        assert rank["checkpoint.keras"][1] in ("max", "greater")
+        assert rank["checkpoint.keras"][2:] == [False, 3]
+        assert rank["checkpoint.tensorflow.keras"][1] in ("max", "greater")
+        assert rank["checkpoint.tensorflow.keras"][2:] == [True, 3]
+    # A named optimizer still averages: every rank ends with the same weights.
+    for family in seen[0]:
+        if family in ("new", "legacy"):
+            assert _same_everywhere([rank[family]["weights"] for rank in seen])
+            assert not _same_everywhere([rank[family]["control"] for rank in seen])

@@ -288,8 +288,36 @@ def _refusals(hvd: Any, tf: Any) -> dict[str, Any]:
         lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
     )
     out["global_variables"] = _error(lambda: hvd.broadcast_global_variables(0))
-    out["session"] = _error(lambda: hvd.broadcast_object_fn(session=object()))
     out["after"] = hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy().tolist()  # still works
+    return out
+
+
+def _horovod_calls(hvd: Any, tf: Any) -> dict[str, Any]:
+    """Calls written as Horovod's API takes them: positional, in its order."""
+    r, n = hvd.rank(), hvd.size()
+    out: dict[str, Any] = {}
+    x = tf.constant([1.0, 2.0]) * (r + 1)
+    none, everyone = hvd.Compression.none, hvd.global_process_set
+    (total,) = hvd.grouped_allreduce([x], None, "", "", none, hvd.Sum, 1.0, 1.0, everyone,
+                                     False, "horovod.grouped")  # fmt: skip
+    out["grouped_allreduce"] = total.numpy().tolist()
+    (mine,) = hvd.grouped_reducescatter([tf.ones([n, 1]) * (r + 1)], "", none, hvd.Sum, everyone,
+                                        2.0, 1.0)  # fmt: skip
+    out["grouped_reducescatter"] = mine.numpy().tolist()
+    default, inplace = tf.Variable([float(r)] * 2), tf.Variable([float(r)] * 2)
+    hvd.broadcast_variables([default], n - 1)  # Horovod's default: inplace=False
+    hvd.broadcast_variables([inplace], n - 1, everyone, True)
+    out["broadcast_variables"] = [default.numpy().tolist(), inplace.numpy().tolist()]
+    session = object()  # Horovod's TensorFlow 1 session argument: not needed eagerly
+    out["objects"] = [
+        hvd.broadcast_object({"from": r}, n - 1, session, "horovod.object"),
+        hvd.allgather_object(r * 3, session, "horovod.gather"),
+        hvd.broadcast_object_fn(0, session, "horovod.fn")([r]),
+    ]
+    out["fused"] = [_error(lambda: hvd.SyncBatchNormalization(fused=True)),
+                    _error(lambda: hvd.SyncBatchNormalization(None)),
+                    _error(lambda: hvd.SyncBatchNormalization(everyone)),
+                    _error(lambda: hvd.SyncBatchNormalization(False, process_set=everyone))]  # fmt: skip
     return out
 
 
@@ -326,6 +354,7 @@ def _job(folder: str) -> dict[str, Any]:
             "sync_batch_norm": _sync_batch_norm(hvd, tf),
             "elastic": _elastic(hvd, tf, folder),
             "refusals": _refusals(hvd, tf),
+            "horovod_calls": _horovod_calls(hvd, tf),
             "keras_elastic": _keras_elastic(tf),
             "process_set": _process_set(hvd, tf, evens),
             "keras": tf.keras.__name__,
@@ -506,8 +535,63 @@ def test_refusals_name_the_problem_and_hora_keeps_working(ranks: list[Any]) -> N
         assert "jit_compile=False" in f["xla"]["message"]
         assert "NotImplementedError" in f["compat_v1"]["types"]
         assert "broadcast_variables" in f["global_variables"]["message"]
-        assert "NotImplementedError" in f["session"]["types"]
         assert f["after"] == [float(n), float(n)]
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_horovod_positional_calls_and_defaults(ranks: list[Any]) -> None:
+    n = len(ranks)
+    total = sum(range(1, n + 1))
+    for seen in ranks:
+        h = seen["horovod_calls"]
+        assert h["grouped_allreduce"] == [float(total), 2.0 * total]  # op=Sum, 6th
+        assert h["grouped_reducescatter"] == [[2.0 * total]]  # prescale_factor=2.0, 6th
+        assert h["broadcast_variables"] == [[float(n - 1)] * 2] * 2
+        assert h["objects"] == [{"from": n - 1}, [3 * k for k in range(n)], [0]]
+        for refused in h["fused"][:3]:
+            assert refused is not None and "ValueError" in refused["types"], refused
+            assert "does not support fused=" in refused["message"]
+        assert "process_set=" in h["fused"][2]["message"]
+        assert h["fused"][3] is None
+
+
+def _tf1_session_job() -> dict[str, Any]:
+    """TensorFlow 1 graph mode: Horovod's object helpers take the session that runs the graph."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    import hora.tensorflow as hvd
+
+    hvd.init()
+    try:
+        r, n = hvd.rank(), hvd.size()
+        with tf.compat.v1.Session() as session:
+            total = session.run(hvd.allreduce(tf.constant([float(r + 1)]), op=hvd.Sum))
+            return {
+                "eager": tf.executing_eagerly(),
+                "allreduce": total.tolist(),
+                "broadcast_object": hvd.broadcast_object({"from": r}, n - 1, session),
+                "allgather_object": hvd.allgather_object(r * 3, session),
+                "broadcast_object_fn": hvd.broadcast_object_fn(0, session)([r]),
+            }
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_object_helpers_take_a_tensorflow_1_session(np_: int) -> None:
+    if not HAS_TENSORFLOW:
+        pytest.skip(NO_TENSORFLOW)
+    results = hora.run(_tf1_session_job, np=np_, env=ENV, timeout_s=JOB_TIMEOUT_S)
+    for seen in results:
+        assert seen == {
+            "eager": False,
+            "allreduce": [float(sum(range(1, np_ + 1)))],
+            "broadcast_object": {"from": np_ - 1},
+            "allgather_object": [3 * k for k in range(np_)],
+            "broadcast_object_fn": [0],
+        }
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hora.torch as hvd
+from hora.common.build_info import nccl_version_code
 from hora.common.config import SettingError, Settings
 from hora.common.transport import TransportError
 from hora.common.transport.nccl import NCCLCommunicator, nccl_available, shared_gpus
@@ -29,8 +30,25 @@ def test_an_unknown_gpu_path_is_refused_naming_the_choices() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_nccl_built_says_whether_torch_has_nccl() -> None:
-    assert hvd.nccl_built() == int(dist.is_available() and dist.is_nccl_available())
+def test_nccl_built_is_nccls_version_code_or_zero() -> None:
+    built = hvd.nccl_built()
+    assert type(built) is int
+    if not (dist.is_available() and dist.is_nccl_available()):
+        assert built == 0
+    else:  # Horovod's answer: NCCL_VERSION_CODE, e.g. 21803 for NCCL 2.18.3
+        assert built == nccl_version_code(torch.cuda.nccl.version()) > 0  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("version", "code"),
+    # Codes as NCCL's own NCCL_VERSION macro numbers them: the scheme changed after 2.8.
+    [((2, 7, 8), 2708), ((2, 8, 4), 2804), ((2, 9, 6), 20906), ((2, 18, 3), 21803), (2708, 2708)],
+)
+def test_nccl_version_code_follows_nccls_numbering(
+    version: tuple[int, ...] | int, code: int
+) -> None:
+    assert nccl_version_code(version) == code
 
 
 @pytest.mark.timeout(30)

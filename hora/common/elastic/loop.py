@@ -114,13 +114,37 @@ def run(func: F) -> F:
         ...         state.commit()
         >>> train(hvd.elastic.TorchState(model, optimizer, epoch=0))
     """
+    return run_fn(func, _reset)
+
+
+def run_fn(func: F, reset: Callable[[], None]) -> F:
+    """:func:`run` with a reset of the caller's own: Horovod's ``horovod.common.elastic.run_fn``.
+
+    Between two rounds the loop calls ``reset()`` where :func:`run` calls
+    ``hvd.shutdown(); hvd.init()``; a framework adapter passes one that also resets its own
+    objects. ``reset`` calls ``hvd.shutdown()`` and ``hvd.init()`` itself: it must leave hora
+    initialized in the job's next round.
+
+    Args:
+        func: the training function, ``func(state, *args, **kwargs)``.
+        reset: called, without arguments, to leave a round and join the next one.
+
+    Returns:
+        The wrapped function.
+
+    Example:
+        >>> def reset():
+        ...     hvd.shutdown()
+        ...     hvd.init()
+        >>> train = hora.common.elastic.run_fn(train, reset)
+    """
 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
         if not _elastic.active():
             state.sync()
             return func(state, *args, **kwargs)
-        return _elastic_loop(func, state, args, kwargs)
+        return _elastic_loop(func, state, args, kwargs, reset)
 
     return wrapper  # type: ignore[return-value]
 
@@ -143,7 +167,9 @@ def _check_no_early_collectives() -> None:
         )
 
 
-def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) -> Any:
+def _elastic_loop(
+    func: Callable[..., Any], state: Any, args: Any, kwargs: Any, reset: Callable[[], None]
+) -> Any:
     _check_no_early_collectives()
     must_reset = False
     cause = ""
@@ -152,7 +178,7 @@ def _elastic_loop(func: Callable[..., Any], state: Any, args: Any, kwargs: Any) 
         try:
             if must_reset:
                 joining = True
-                _reset()
+                reset()
                 joining = False
                 state.on_reset()
                 runtime().elastic_resets += 1

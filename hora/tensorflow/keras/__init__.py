@@ -159,8 +159,10 @@ def DistributedOptimizer(  # Horovod's name
 
     Args:
         optimizer: a Keras optimizer (``tf.keras.optimizers.SGD(...)``, ``Adam(...)``, ...).
-        name: prefixes the names of the gradient collectives (every rank must give the same);
-            the optimizer keeps its own Keras name.
+        name: the wrapped optimizer's Keras name (``optimizer.name``), as Horovod's wrapper
+            names it; it also prefixes the names of the gradient collectives (every rank must
+            give the same). ``None``: the optimizer keeps its own name (Horovod's renames it
+            ``"Distributed" + class name``).
         device_dense, device_sparse: accepted for compatibility; hora reduces where the
             gradients are.
         compression: ``hvd.Compression.none`` (default), ``.fp16`` or ``.bf16``.
@@ -210,7 +212,7 @@ def DistributedOptimizer(  # Horovod's name
         process_set,
         scale_local_gradients,
     )
-    return _optimizer.wrap(optimizer, state)
+    return _optimizer.wrap(optimizer, state, name)
 
 
 def _local_variables(local_layers: Any) -> list[Any]:

@@ -324,10 +324,14 @@ def attach(optimizer: Any, state: HoraState) -> None:
     object.__setattr__(optimizer, "_hora", state)
 
 
-def wrap(optimizer: Any, state: HoraState) -> Any:
-    """A new optimizer, of the distributed subclass, made from ``optimizer``'s config."""
+def wrap(optimizer: Any, state: HoraState, name: str | None = None) -> Any:
+    """A new optimizer, of the distributed subclass, made from ``optimizer``'s config; named
+    ``name`` when given (Keras's ``name`` option: it also prefixes the optimizer's variables)."""
     cls = distributed_class(type(optimizer), flavor(optimizer))
-    wrapped = cls.from_config(optimizer.get_config())
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    wrapped = cls.from_config(config)
     attach(wrapped, state)
     return wrapped
 
