@@ -1,8 +1,10 @@
 """The docs' tables of ``horarun`` flags and ``HORA_*`` variables, written from their declarations.
 
-``python -m hora.tools.docs_tables`` rewrites, in docs/environment.md, docs/launching.md and
-docs/elastic.md, every block between ``<!-- table: NAME -->`` and ``<!-- end table -->`` with the
-table NAME built from :mod:`hora.common.settings_table` and :mod:`hora.runner.flags`;
+``python -m hora.tools.docs_tables`` rewrites, in docs/environment.md, docs/launching.md,
+docs/elastic.md and docs/api.md, every block between ``<!-- table: NAME -->`` and
+``<!-- end table -->`` with the table NAME built from :mod:`hora.common.settings_table` and
+:mod:`hora.runner.flags` (docs/api.md's "What is not there yet": from
+:mod:`hora.tools.horovod_gaps` and :mod:`hora.tools.horovod_inventory` too);
 ``--check`` changes nothing and exits with 1 when a file differs from what it would write
 (tests/unit/test_settings_table.py runs the same check).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,10 @@ from typing import Any
 from hora.common import safe_files
 from hora.common.settings_table import UNHEEDED, VARIABLES, Variable
 from hora.runner.flags import OPTIONS, Option, number_text
+from hora.tools import horovod_gaps, horovod_inventory
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-FILES = ("environment.md", "launching.md", "elastic.md")
+FILES = ("environment.md", "launching.md", "elastic.md", "api.md")
 
 _BLOCK = re.compile(r"(<!-- table: ([a-z-]+) -->\n)(.*?)(<!-- end table -->)", re.DOTALL)
 
@@ -142,6 +146,68 @@ def _elastic() -> str:
     return _table(("Flag", "Meaning", "Default"), rows)
 
 
+# ---------------------------------------------------------------- Horovod's API
+
+
+def _paragraph(text: str) -> str:
+    # Lines break between words, never inside a code span or a link's text.
+    kept = re.sub(r"`[^`]*`|\[[^\]]*\]", lambda m: m.group().replace(" ", "\0"), text)
+    lines = textwrap.fill(kept, 100, break_long_words=False, break_on_hyphens=False)
+    return lines.replace("\0", " ") + "\n\n"
+
+
+def _names(path: str) -> str:
+    names = horovod_inventory.under(path)
+    return f"`{path}`" if names == [path] else f"`{path}` ({len(names)} names)"
+
+
+def _horovod_gaps() -> str:
+    inventory = horovod_inventory.paths()
+    missing = [path for path in inventory if horovod_gaps.covered(path)]
+    packages = list(dict.fromkeys(horovod_inventory.package(path) for path in inventory))
+    text = _paragraph(
+        f"Horovod {horovod_inventory.HOROVOD_VERSION}'s Python API has {len(inventory)} public "
+        f"names in {len(horovod_inventory.HOROVOD)} modules (`hora/tools/horovod_inventory.py` "
+        f"lists them). hora has {len(inventory) - len(missing)} of them at the same path "
+        "(`hora.torch.allreduce` for `horovod.torch.allreduce`); the first table counts them by "
+        "package, the second says what hora lacks, or has and refuses, and what to use "
+        "instead."
+    )
+    counts = []
+    for name in packages:
+        of_package = [p for p in inventory if horovod_inventory.package(p) == name]
+        lacking = [p for p in of_package if p in missing]
+        counts.append((f"`{name}`", str(len(of_package)), str(len(of_package) - len(lacking))))
+    text += _table(("Horovod", "Public names", "In hora"), counts) + "\n"
+    rows = []
+    for gap in horovod_gaps.GAPS:
+        paths = ", ".join(_names(path) for path in gap.missing)
+        rows.append((f"{paths}: {gap.title}" if paths else gap.title, gap.instead, gap.why))
+    text += _table(("Horovod", "In hora", "Why"), rows) + "\n"
+    variables = [f"`{entry.name}`" for entry in UNHEEDED]
+    values = [
+        f"`{v.horovod_env}` other than " + " or ".join(f"`{choice}`" for choice in v.choices)
+        for v in VARIABLES
+        if v.lacking
+    ]
+    inert = [_flags(o) for o in OPTIONS if o.inert]
+    refused = [_flags(o) for o in OPTIONS if o.refused]
+    text += _paragraph(
+        "**Settings with no effect.** hora reads these variables of Horovod's only to say, at "
+        f"`hvd.init()`, that it does not act on them: {', '.join(variables)}; and "
+        f"{', '.join(values)}. `horarun` accepts these flags and changes nothing: "
+        f"{', '.join(inert)}; it refuses {', '.join(refused)}. "
+        "[environment.md](environment.md#variables-hora-does-not-act-on) and "
+        "[launching.md](launching.md#flags) give each one's reason."
+    )
+    text += _paragraph(
+        "What works, but not quite as in Horovod, is explained with each part: "
+        + ", ".join(f"[{what}]({link})" for what, link in horovod_gaps.ELSEWHERE)
+        + "."
+    )
+    return text.removesuffix("\n")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "variables-settings": lambda: _variables("settings"),
     "variables-launcher": lambda: _variables("launcher"),
@@ -153,6 +219,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "flags-inert": _inert,
     "flags-refused": _refused,
     "flags-elastic": _elastic,
+    "horovod-gaps": _horovod_gaps,
 }
 
 
