@@ -10,6 +10,8 @@ import torch
 from hora.common.objects import allgather_object as allgather_object
 from hora.common.objects import broadcast_object as broadcast_object
 from hora.torch import ops
+from hora.torch.zero_optimizer import ShardedOptimizer
+from hora.torch.zero_state import broadcast_state
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
@@ -121,6 +123,10 @@ def broadcast_optimizer_state(
         >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
     del model
+    if isinstance(optimizer, ShardedOptimizer):
+        # Each rank holds only its shard of the state: see zero_state.broadcast_state.
+        broadcast_state(optimizer, root_rank)
+        return
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not optimizer.state_dict()["state"]:

@@ -19,6 +19,7 @@ from hora.torch import ops
 from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from hora.torch.averaging_optimizer import _DistributedOptimizer
 from hora.torch.compression import Compression
+from hora.torch.zero_optimizer import make_sharded
 
 
 def DistributedOptimizer(  # Horovod's name
@@ -32,6 +33,8 @@ def DistributedOptimizer(  # Horovod's name
     groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = ops.global_process_set,
+    shard_optimizer_state: bool = False,
+    shard_gradients: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across ranks.
 
@@ -51,6 +54,11 @@ def DistributedOptimizer(  # Horovod's name
             each group is reduced as one grouped allreduce.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: the ranks that train together.
+        shard_optimizer_state: ZeRO stage 1: gradients are reduce-scattered and each rank keeps
+            and updates only its shard of the optimizer state; updated parameters are
+            allgathered (see docs/zero.md). hora's extension, not in Horovod.
+        shard_gradients: ZeRO stage 2 (with ``shard_optimizer_state=True``): each ``.grad`` is
+            also released once it has been sent, so a rank keeps only its gradient shard.
 
     Returns:
         An optimizer of the same class with the distributed behaviour.
@@ -79,6 +87,20 @@ def DistributedOptimizer(  # Horovod's name
             groups = num_groups
     if hasattr(optimizer, "_requires_update"):
         raise ValueError("The optimizer is already a DistributedOptimizer.")
+    if shard_optimizer_state or shard_gradients:
+        return make_sharded(
+            shard_optimizer_state,
+            optimizer,
+            named_parameters,
+            compression,
+            backward_passes_per_step,
+            reduce_op,
+            gradient_predivide_factor,
+            groups,
+            sparse_as_dense,
+            process_set,
+            shard_gradients,
+        )
     adasum = reduce_op == ReduceOp.ADASUM and basics.size() > 1
     if adasum:
         # Checked here, not at the first step: a job of 3 ranks fails at once.

@@ -17,8 +17,10 @@ import torch
 
 from hora.common.elastic.state import Commit, ObjectState, Snapshot, check_names
 from hora.common.objects import broadcast_object
+from hora.torch import zero_state
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from hora.torch.zero_optimizer import ShardedOptimizer
 
 # ---------------------------------------------------------------- TorchState's handlers
 
@@ -161,6 +163,26 @@ class OptimizerStateHandler(StateHandler):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
+class ShardedOptimizerStateHandler(OptimizerStateHandler):
+    """A sharded ``DistributedOptimizer`` (``shard_optimizer_state=True``): a snapshot is the
+    consolidated state (every rank's shard, gathered at commit), so the ranks that survive a
+    failure still hold every shard; restoring and synchronizing slice it for the ranks there
+    are then (see :mod:`hora.torch.zero_state`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        StateHandler.__init__(self, optimizer)
+        self.committed = zero_state.initial_snapshot(optimizer)  # type: ignore[arg-type]
+
+    def capture(self) -> Any:
+        return self.value.state_dict()  # new tensors: nothing to copy
+
+    def apply(self, snapshot: Any) -> None:
+        self.value.load_state_dict(snapshot)  # keeps copies of this rank's slices
+
+    def sync(self) -> None:
+        zero_state.sync_from_root(self.value, self.committed, root_rank=0)
+
+
 class SamplerStateHandler(StateHandler):
     """:class:`ElasticSampler`: a copy of ``state_dict()`` (epoch, processed samples); synchronized
     by broadcasting rank 0's ``state_dict()``; ``reset`` re-shards for the new job size."""
@@ -191,6 +213,7 @@ class SamplerStateHandler(StateHandler):
 
 _handler_registry: list[tuple[type, type[StateHandler]]] = [
     (torch.nn.Module, ModelStateHandler),
+    (ShardedOptimizer, ShardedOptimizerStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
 ]
