@@ -12,8 +12,6 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from hora.torch.gradient_reduction import (
     guarded_zero_grad,
     parameter_names,
     set_backward_passes_per_step,
+    skip_synchronize,
     split_groups,
     step_only,
 )
@@ -413,22 +412,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if reduction.was_sparse:
             p.grad = grad.to_sparse()
 
-    @contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Within this block ``step()`` does not synchronize (call ``synchronize()`` first).
-
-        Example:
-            >>> loss.backward()
-            >>> optimizer.synchronize()
-            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            >>> with optimizer.skip_synchronize():
-            ...     optimizer.step()
-        """
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
+    skip_synchronize = skip_synchronize
 
     def step(self, closure: Any = None) -> Any:
         timeline = current_timeline()

@@ -7,6 +7,8 @@ This module knows optimizers, parameters and handles; the engine does the rest.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +37,24 @@ def guarded_zero_grad(self: Any, set_to_none: bool = True) -> None:
     if any(pending is not UNSUBMITTED for pending in self._handles.values()):
         raise AssertionError(ZERO_GRAD_RACE)
     super(self._hora_class, self).zero_grad(set_to_none)
+
+
+@contextmanager
+def skip_synchronize(self: Any) -> Iterator[None]:
+    """Within this block ``step()`` does not synchronize (call ``synchronize()`` first).
+
+    Example:
+        >>> loss.backward()
+        >>> optimizer.synchronize()
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> with optimizer.skip_synchronize():
+        ...     optimizer.step()
+    """
+    self._should_synchronize = False
+    try:
+        yield
+    finally:
+        self._should_synchronize = True
 
 
 def set_backward_passes_per_step(self: Any, passes: int) -> None:

@@ -26,8 +26,6 @@ import itertools
 import math
 import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from hora.torch.gradient_reduction import (
     elastic_job,
     global_step_hooks,
     parameter_names,
+    skip_synchronize,
     split_groups,
 )
 from hora.torch.zero_layout import Layout, Piece, plan_buckets
@@ -519,22 +518,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group["params"] = params
         self._shown = None
 
-    @contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Within this block ``step()`` does not wait for gradients (call ``synchronize()``
-        first). Accepted for scripts written for the unsharded optimizer: a sharded ``step()``
-        after ``synchronize()`` never reduces twice.
-
-        Example:
-            >>> optimizer.synchronize()
-            >>> with optimizer.skip_synchronize():
-            ...     optimizer.step()
-        """
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
+    skip_synchronize = skip_synchronize
 
     # ------------------------------------------------------------------ step
 
