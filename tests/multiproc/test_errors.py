@@ -5,6 +5,7 @@ a mismatch; ``init`` works again after ``shutdown``).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -68,6 +69,30 @@ def _duplicate_names(hvd: Any, rank: int, size: int) -> list[dict[str, Any] | No
     return errors
 
 
+def _duplicates_after_a_fast_first(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """A name submitted twice in a row is refused even when its first call can finish at once
+    (the other ranks submitted theirs before); a name whose result nobody took is free again
+    once a later call of this rank is done."""
+    checker = size - 1
+    if rank != checker:
+        kept = hvd.allreduce_async(torch.ones(2), name="fast")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        kept = hvd.allreduce_async(torch.ones(2), name="fast")
+        # Every other rank submitted "fast" already: the first call is done well before this.
+        time.sleep(0.3)
+    second = error_of(lambda: hvd.allreduce_async(torch.ones(2), name="fast"))
+    hvd.barrier()
+    # "fast" was never waited for, but the barrier after it is done: the name may be used again.
+    again = hvd.allreduce(torch.ones(2), name="fast", op=hvd.Sum)
+    return {
+        "second": second,
+        "first": hvd.synchronize(kept).tolist(),
+        "again": again.tolist(),
+    }
+
+
 def _errors_worker() -> dict[str, Any]:
     import torch
 
@@ -83,6 +108,7 @@ def _errors_worker() -> dict[str, Any]:
     out["mismatch"] = _mismatches(hvd, rank)
     out["after_mismatch"] = hvd.allreduce(torch.full((3,), float(rank)), op=hvd.Sum, name="ok")
     out["duplicates"] = _duplicate_names(hvd, rank, size)
+    out["duplicates_fast"] = _duplicates_after_a_fast_first(hvd, rank, size)
     out["refused"] = _refused_calls(hvd)
     out["add_process_set_without_env"] = error_of(lambda: hvd.add_process_set(hvd.ProcessSet([0])))
     hvd.shutdown()
@@ -159,6 +185,18 @@ def test_duplicate_name_in_flight_raises_value_error_at_once(job: Any) -> None:
             assert_raised(
                 error, ValueError, "same name", "currently being processed", "'allreduce.dup."
             )
+
+
+@pytest.mark.timeout(120)
+def test_duplicate_name_raises_even_when_the_first_call_already_ran(job: Any) -> None:
+    np, ranks = job
+    for observed in ranks:
+        fast = observed["duplicates_fast"]
+        # The checker's first call could finish at once; the others' was still pending.
+        assert_raised(fast["second"], ValueError, "same name", "'allreduce.fast'")
+        # Every first call, and the later one under the freed name, reduced.
+        assert fast["first"] == [1.0, 1.0]
+        assert fast["again"] == [float(np)] * 2
 
 
 @pytest.mark.timeout(120)

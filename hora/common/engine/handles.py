@@ -34,6 +34,10 @@ class WaitObserver(Protocol):
     def polled(self) -> None:
         """A thread polled a handle that is not done yet."""
 
+    def consumed(self, handle: Handle) -> None:
+        """A thread took ``handle``'s result (or its failure), or polled it done: its names
+        are free again."""
+
 
 class Handle:
     """The pending result of one collective call (several tensors for a grouped call).
@@ -53,6 +57,7 @@ class Handle:
         "error",
         "grouped",
         "id",
+        "keys",
         "kind",
         "observer",
         "results",
@@ -72,6 +77,8 @@ class Handle:
         self.observer = observer
         self.results: list[Any] = [None] * count
         self.error: str | None = None
+        # The keys its call was submitted under (set by the intake; see WaitObserver.consumed).
+        self.keys: tuple[Any, ...] = ()
         self._remaining = count
         # A latch: held until the result is in (a bare lock costs a fraction of an Event,
         # and every gradient of every step makes a handle).
@@ -86,6 +93,8 @@ class Handle:
     def poll(self) -> bool:
         """Whether the result is in; tells the observer when it is not (never blocks)."""
         if self._done:
+            if self.observer is not None and self.keys:
+                self.observer.consumed(self)
             return True
         if self.observer is not None:
             self.observer.polled()
@@ -97,8 +106,8 @@ class Handle:
         Raises:
             HoraInternalError: the operation failed on this rank.
         """
+        observer = self.observer
         if not self._done:
-            observer = self.observer
             if observer is not None:
                 observer.waiting(self, True)
             try:
@@ -108,6 +117,8 @@ class Handle:
             finally:
                 if observer is not None:
                     observer.waiting(self, False)
+        if observer is not None and self.keys:
+            observer.consumed(self)
         if self.error is not None:
             raise HoraInternalError(self.error)
         return self.results

@@ -58,6 +58,10 @@ class Intake:
         self._queue: deque[Entry] = deque()
         # Every entry submitted and not yet run, by key.
         self._in_flight: dict[Key, Entry] = {}
+        # The latest handle submitted under each key whose result no thread has taken yet
+        # (see _in_use), and the highest handle number whose result a thread took.
+        self._unconsumed: dict[Key, Handle] = {}
+        self._latest_consumed = 0
         # Handles user threads are blocked on, with when each started waiting.
         self._blocked: dict[Handle, float] = {}
         # Entries the current cycle took out of _in_flight (handed back should it fail); the
@@ -143,12 +147,17 @@ class Intake:
                 )
             in_flight = self._in_flight
             for entry in entries:
-                if entry.request.key in in_flight:
+                key = entry.request.key
+                if key in in_flight or self._in_use(key, entry.handle):
                     raise HoraValueError(DUPLICATE_NAME.format(name=entry.request.name))
             if len(entries) > 1 and len({e.request.key for e in entries}) != len(entries):
                 raise HoraValueError(DUPLICATE_NAME.format(name=entries[0].request.name))
+            unconsumed = self._unconsumed
             for entry in entries:
-                in_flight[entry.request.key] = entry
+                key = entry.request.key
+                in_flight[key] = entry
+                unconsumed[key] = entry.handle
+                entry.handle.keys += (key,)
             if submitted:
                 for entry in entries:
                     entry.submitted = submitted
@@ -169,6 +178,34 @@ class Intake:
         with self._wakeup:
             if self._on_poll is not None and self._on_poll():
                 self._wakeup.notify_all()
+
+    def consumed(self, handle: Handle) -> None:
+        with self._wakeup:
+            if handle.id > self._latest_consumed:
+                self._latest_consumed = handle.id
+            unconsumed = self._unconsumed
+            for key in handle.keys:
+                if unconsumed.get(key) is handle:
+                    del unconsumed[key]
+
+    def _in_use(self, key: Key, handle: Handle) -> bool:
+        """Whether an earlier call under ``key`` still holds it (called under the lock).
+
+        A name submitted stays in use (beyond its negotiation, which ``submit`` checks) until a
+        thread takes its result or polls it done, or a later call of this rank is done. So
+        ``allreduce_async(t, name="x")`` twice in a row is refused however fast the first one
+        ran on the wire, and a result nobody waits for does not hold its name forever.
+        """
+        earlier = self._unconsumed.get(key)
+        if earlier is None or earlier is handle:
+            return False
+        number = earlier.id
+        if self._latest_consumed > number or any(
+            other.id > number and other.done() for other in self._unconsumed.values()
+        ):
+            del self._unconsumed[key]
+            return False
+        return True
 
     def awaited(self, after_s: float) -> list[Key]:
         """Keys still in flight that some thread has waited for ``after_s`` or longer."""
@@ -222,6 +259,7 @@ class Intake:
             self._ended_message = message
             pending = list(self._in_flight.values()) + list(self._queue)
             self._in_flight.clear()
+            self._unconsumed.clear()
             self._queue.clear()
         fail(pending, message)
 
