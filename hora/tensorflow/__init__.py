@@ -1,10 +1,11 @@
 """hora's TensorFlow API: ``import hora.tensorflow as hvd`` in place of
 ``import horovod.tensorflow as hvd``.
 
-TensorFlow 2, eager and inside ``tf.function``, and collectives built into ``tf.compat.v1``
-graphs run by a session. Keras users import :mod:`hora.tensorflow.keras` (``DistributedOptimizer``
-and the callbacks). TensorFlow 1 hooks and ``tf.compat.v1`` optimizers are not wrapped, and
-collectives cannot run in XLA-compiled code; each says so when used (docs/tensorflow.md).
+TensorFlow 2, eager and inside ``tf.function``, and TensorFlow 1's ``tf.compat.v1`` graphs run
+by a session (collectives, ``DistributedOptimizer`` over a ``tf.compat.v1.train`` optimizer,
+``BroadcastGlobalVariablesHook``). Keras users import :mod:`hora.tensorflow.keras`
+(``DistributedOptimizer`` and the callbacks). Collectives cannot run in XLA-compiled code; they
+say so when used (docs/tensorflow.md).
 
 Example:
     >>> import hora.tensorflow as hvd
@@ -68,6 +69,7 @@ from hora.tensorflow.functions import (
 )
 from hora.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from hora.tensorflow.gradients import GradientReducer, distributed_tape
+from hora.tensorflow.legacy import BroadcastGlobalVariablesHook, DistributedLegacyOptimizer
 from hora.tensorflow.ops import (
     allgather,
     allreduce,
@@ -91,14 +93,6 @@ from hora.tensorflow.util import _cache as _cache  # horovod.tensorflow has thes
 from hora.tensorflow.util import _executing_eagerly as _executing_eagerly
 from hora.tensorflow.util import _make_subgraph as _make_subgraph
 from hora.tensorflow.util import refs_to_vars, vars_to_refs
-
-_TF1 = (
-    "hora.tensorflow does not wrap TensorFlow 1's tf.compat.v1.train optimizers or session "
-    "hooks. Its collectives do work in tf.compat.v1 graphs: average the gradients of "
-    "compute_gradients() with hvd.grouped_allreduce before apply_gradients(), and run "
-    "hvd.broadcast_global_variables(0) once the variables are initialized (docs/tensorflow.md, "
-    "Graph mode). "
-)
 
 
 def DistributedGradientTape(  # Horovod's name
@@ -207,25 +201,39 @@ def DistributedOptimizer(  # Horovod's name
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
 ) -> Any:
-    """A Keras optimizer that averages gradients (see
-    :func:`hora.tensorflow.keras.DistributedOptimizer`, whose options these are).
+    """An optimizer that averages gradients across ranks: for a Keras optimizer, a Keras one
+    (see :func:`hora.tensorflow.keras.DistributedOptimizer`, whose options these are); for a
+    ``tf.compat.v1.train.Optimizer``, a ``tf.compat.v1.train.Optimizer`` for graphs run by a
+    session (:class:`hora.tensorflow.legacy.DistributedLegacyOptimizer`).
 
     The parameters are Horovod's ``horovod.tensorflow.DistributedOptimizer``'s, in its order.
-    ``use_locking`` belongs to ``tf.compat.v1`` optimizers, which hora does not wrap (Horovod
-    too ignores it for Keras optimizers).
-
-    Raises:
-        NotImplementedError: ``optimizer`` is a ``tf.compat.v1.train.Optimizer``.
+    ``use_locking`` is passed to a ``tf.compat.v1`` optimizer (Keras optimizers have none).
 
     Example:
         >>> opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * hvd.size()))
     """
-    del use_locking
     if isinstance(optimizer, _tf().compat.v1.train.Optimizer):
-        raise NotImplementedError(
-            _TF1 + "Use a Keras optimizer with hora.tensorflow.keras.DistributedOptimizer, or "
-            "hvd.DistributedGradientTape in a custom training loop."
+        del device_dense, device_sparse
+        reducer = GradientReducer(
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            num_groups=num_groups,
+            groups=groups,
+            process_set=process_set,
+            scale_local_gradients=scale_local_gradients,
+            prefix="hora.grads",
         )
+        return DistributedLegacyOptimizer(
+            optimizer,
+            name,
+            use_locking,
+            reducer,
+            backward_passes_per_step,
+            average_aggregated_gradients,
+        )
+    del use_locking
     from hora.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 
     return KerasDistributedOptimizer(
@@ -243,19 +251,6 @@ def DistributedOptimizer(  # Horovod's name
         groups=groups,
         process_set=process_set,
         scale_local_gradients=scale_local_gradients,
-    )
-
-
-def BroadcastGlobalVariablesHook(root_rank: int, device: str = "") -> Any:  # Horovod's name
-    """Not in TensorFlow 2: sessions and hooks are TensorFlow 1 only.
-
-    Raises:
-        NotImplementedError: always; it names what to use instead.
-    """
-    del root_rank, device
-    raise NotImplementedError(
-        _TF1 + "Use hvd.broadcast_variables after building the model, or, with Keras, "
-        "hora.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback(0)."
     )
 
 

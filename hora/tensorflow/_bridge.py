@@ -39,7 +39,9 @@ except ModuleNotFoundError as exc:
 import torch
 from torch.utils import dlpack as _torch_dlpack
 
+from hora.common import basics
 from hora.common.errors import HoraInternalError, HoraValueError
+from hora.common.process_sets import ProcessSet
 from hora.common.runtime import session
 
 # torch's stubs do not export to_dlpack.
@@ -108,9 +110,13 @@ def session_graph() -> tf.Graph | None:
     return None if graph.building_function else graph
 
 
-def graph_name(name: str | None, kind: str) -> str | None:
+def graph_name(name: str | None, kind: str, process_set: ProcessSet) -> str | None:
     """The name of a collective, fixed now: eagerly ``name``; while a ``tf.function`` is
     traced, ``name`` or a number; in a ``tf.compat.v1`` graph, its place in the graph.
+
+    In a ``tf.compat.v1`` graph built after ``hvd.init()``, ``process_set`` must be registered
+    when the op is built (its id is part of the op, as in Horovod); otherwise this raises
+    :class:`HoraTensorFlowValueError` now, not when a session runs the op.
 
     Eagerly an unnamed collective is numbered when it runs (as in PyTorch). In a graph, ops
     without a data dependency may run in any order, and an op runs once per step, so its name is
@@ -127,6 +133,14 @@ def graph_name(name: str | None, kind: str) -> str | None:
     graph = session_graph()
     if graph is None:
         return name if name is not None else f"graph.{session().traced_call_number(kind)}"
+    set_id = process_set.process_set_id
+    if basics.is_initialized() and (
+        set_id is None or not basics.engine().process_sets.contains(set_id)
+    ):
+        raise HoraTensorFlowValueError(
+            f"{kind.rstrip('_')}: {process_set} is not registered. Pass it to hvd.init(process_sets=[...]) "
+            "or hvd.add_process_set(...) on every rank before building the graph."
+        )
     # The outermost graph's names: unique across cond branches and loop bodies too.
     unique: str = graph.unique_name(name if name is not None else _GRAPH_NAMES[kind])
     return unique

@@ -4,12 +4,13 @@
 These are the classes Horovod scripts import from ``horovod.tensorflow.gradient_aggregation``
 (:class:`LocalGradientAggregationHelper`) and ``horovod.tensorflow.gradient_aggregation_eager``
 (:class:`LocalGradientAggregationHelperEager`, which that module of hora re-exports), for code
-that drives the aggregation itself: a custom optimizer or training step. hora's own
+that drives the aggregation itself: a custom optimizer or training step. hora's Keras
 ``DistributedOptimizer`` accumulates with its own accumulator (``backward_passes_per_step=``),
 not with these.
 
-Both are TensorFlow 2 classes and work eagerly and inside ``tf.function``. The sums live in
-``tf.Variable`` objects made once, outside any function being traced (``tf.init_scope``), one
+Both work eagerly, inside ``tf.function`` and in ``tf.compat.v1`` graphs run by a session (the
+latter is how hora's ``DistributedOptimizer`` aggregates for a ``tf.compat.v1.train``
+optimizer). The sums live in ``tf.Variable`` objects made once, outside any function being traced (``tf.init_scope``), one
 per gradient position; the call that reaches ``backward_passes_per_step`` hands the sums to
 ``allreduce_func`` and zeroes them, and the choice is a ``tf.cond``, so every rank runs the
 same collectives in the same order. They differ as Horovod's do in what the other calls return:
@@ -131,18 +132,24 @@ class _LocalAggregation:
         variables = list(vars)
         self._make_sums(grads, variables)
         live = [i for i, g in enumerate(grads) if g is not None]
-        for i in live:
-            self.locally_aggregated_grads[i].assign_add(grads[i])
-        count = self.counter.assign_add(1)
+        added = [self.locally_aggregated_grads[i].assign_add(grads[i]) for i in live]
+        # Explicit orderings here and below: in a tf.compat.v1 graph run by a session, nothing
+        # else orders these assignments (eagerly and in tf.function, program order does).
+        with tf.control_dependencies(_ops(added)):
+            count = self.counter.assign_add(1)
 
         def reduce() -> list[Any]:
             sums = [self.locally_aggregated_grads[i].read_value() for i in live]
             reduced = self._reduce_sums(sums, [variables[i] for i in live])
-            self.counter.assign(0)
-            for i in live:
-                total = self.locally_aggregated_grads[i]
-                total.assign(tf.zeros_like(total))
-            return reduced
+            with tf.control_dependencies(_ops(reduced)):
+                resets = [self.counter.assign(0)] + [
+                    self.locally_aggregated_grads[i].assign(
+                        tf.zeros_like(self.locally_aggregated_grads[i])
+                    )
+                    for i in live
+                ]
+            with tf.control_dependencies(_ops(resets)):
+                return [tf.identity(r) for r in reduced]
 
         def hold() -> list[Any]:
             return self._between_reductions([grads[i] for i in live], live)
@@ -210,16 +217,18 @@ class _LocalAggregation:
         global_step = kwargs.get("global_step")
 
         def apply() -> tf.Tensor:
-            apply_grads_closure()
-            return tf.constant(True)
+            with tf.control_dependencies(_ops([apply_grads_closure()])):
+                return tf.constant(True)
 
         def skip() -> tf.Tensor:
+            counted = []
             iterations = getattr(optimizer, "iterations", None)
             if iterations is not None:
-                iterations.assign_add(1)
+                counted.append(iterations.assign_add(1))
             if global_step is not None:
-                global_step.assign_add(tf.cast(1, global_step.dtype))
-            return tf.constant(False)
+                counted.append(global_step.assign_add(tf.cast(1, global_step.dtype)))
+            with tf.control_dependencies(_ops(counted)):
+                return tf.constant(False)
 
         return tf.cond(tf.equal(self.counter, 0), apply, skip)
 
@@ -333,3 +342,11 @@ class LocalGradientAggregationHelperEager(_LocalAggregation):
     def _between_reductions(self, grads: list[Any], live: list[int]) -> list[Any]:
         """What a call that does not reduce returns: this rank's sums so far."""
         return [self.locally_aggregated_grads[i].read_value() for i in live]
+
+
+def _ops(values: Sequence[Any]) -> list[Any]:
+    """What ``tf.control_dependencies`` can wait for among ``values``: eagerly nothing (it
+    orders nothing there), in a graph the tensors and operations (not ``None``)."""
+    if tf.executing_eagerly():
+        return []
+    return [v for v in values if isinstance(v, (tf.Tensor, tf.Operation, tf.Variable))]

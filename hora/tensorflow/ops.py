@@ -77,7 +77,7 @@ def _reduce(
     process_set: ProcessSet,
     grouped: bool,
 ) -> list[tf.Tensor]:
-    name = graph_name(name, "grouped_allreduce" if grouped else "allreduce")
+    name = graph_name(name, "grouped_allreduce" if grouped else "allreduce", process_set)
     dtypes = [t.dtype for t in tensors]
     # Unsigned types the engine does not carry are reduced as int64 (exact), then cast back.
     tensors = [tf.cast(t, tf.int64) if t.dtype in _WIDENED else t for t in tensors]
@@ -254,7 +254,7 @@ def _gather(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet,
         if t.shape.rank == 0:
             raise HoraValueError("Allgather needs a tensor with at least one dimension.")
 
-    name = graph_name(name, "grouped_allgather" if grouped else "allgather")
+    name = graph_name(name, "grouped_allgather" if grouped else "allgather", process_set)
     dtypes = [t.dtype for t in tensors]
     tensors = [as_wire(t) for t in tensors]
 
@@ -315,7 +315,7 @@ def grouped_allgather(
 
 
 def _send(tensor: tf.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> Any:
-    name = graph_name(name, "broadcast")
+    name = graph_name(name, "broadcast", process_set)
     dtype, tensor = tensor.dtype, as_wire(tensor)
 
     def send(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -362,7 +362,7 @@ def broadcast_(
     variables = list(variables)
     if not variables:
         return []
-    name = graph_name(name, "broadcast_")
+    name = graph_name(name, "broadcast_", process_set)
 
     def send(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         handles = [
@@ -389,7 +389,7 @@ def broadcast_(
 def _exchange(
     tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None, process_set: ProcessSet
 ) -> list[tf.Tensor]:
-    name = graph_name(name, "alltoall")
+    name = graph_name(name, "alltoall", process_set)
     dtype, tensor = tensor.dtype, as_wire(tensor)
     inputs = [tensor] if splits is None else [tensor, splits]
 
@@ -445,7 +445,7 @@ def _scatter(
     process_set: ProcessSet,
     grouped: bool,
 ) -> list[tf.Tensor]:
-    name = graph_name(name, "grouped_reducescatter" if grouped else "reducescatter")
+    name = graph_name(name, "grouped_reducescatter" if grouped else "reducescatter", process_set)
 
     def scatter(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         handle = collectives.reducescatter_async(

@@ -144,17 +144,6 @@ GAPS: tuple[Gap, ...] = (
         "They are internal helpers of that class.",
     ),
     Gap(
-        "tf1-hooks",
-        "TensorFlow 1 training helpers: `hvd.BroadcastGlobalVariablesHook`, and "
-        "`hvd.DistributedOptimizer` around a `tf.compat.v1.train` optimizer",
-        (),
-        "Both raise `NotImplementedError` naming the replacement: `hvd.broadcast_variables` (or "
-        "`hvd.broadcast_global_variables(0)` in a `tf.compat.v1` graph, whose collectives work), "
-        "a Keras optimizer, `hvd.DistributedGradientTape` "
-        "([tensorflow.md](tensorflow.md#what-is-not-supported)).",
-        "Sessions, hooks and `tf.compat.v1.train` optimizers belong to TensorFlow 1.",
-    ),
-    Gap(
         "xla",
         "Collectives in XLA-compiled code (`HOROVOD_ENABLE_XLA_OPS`)",
         (),

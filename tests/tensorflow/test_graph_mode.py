@@ -150,6 +150,64 @@ def _minimize(hvd: Any, tf: Any) -> dict[str, Any]:
     }
 
 
+def _legacy_training(hvd: Any, tf: Any) -> dict[str, Any]:
+    """Horovod's TensorFlow 1 recipe unchanged: ``hvd.DistributedOptimizer`` around a
+    ``tf.compat.v1.train`` optimizer, ``BroadcastGlobalVariablesHook(0)`` in a
+    ``MonitoredTrainingSession``, each rank starting from its own weights and data."""
+    r = hvd.rank()
+    rng = np.random.default_rng(10 + r)
+    features = rng.normal(size=(8, 3)).astype("float32")
+    targets = rng.normal(size=(8, 1)).astype("float32")
+    own_start = np.array([[0.5], [-1.0], [2.0]], dtype="float32") + r
+    weights = tf.compat.v1.get_variable("weights", initializer=tf.constant(own_start))
+    loss = tf.reduce_mean(tf.square(tf.matmul(tf.constant(features), weights) - targets))
+    optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE))
+    step = optimizer.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    hooks = [hvd.BroadcastGlobalVariablesHook(0)]
+    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as session:
+        for _ in range(STEPS):
+            session.run(step)
+        final = session.run(weights).tolist()
+    return {
+        "is_v1_optimizer": isinstance(optimizer, tf.compat.v1.train.Optimizer),
+        "features": features.tolist(),
+        "targets": targets.tolist(),
+        "final": final,
+    }
+
+
+def _legacy_aggregation(hvd: Any, tf: Any) -> dict[str, Any]:
+    """``backward_passes_per_step=3`` on a ``tf.compat.v1.train`` optimizer: each rank's
+    gradient is its rank + 1; the variable moves on every third step only, by the average over
+    ranks of the three steps' sums divided by 3, and ``global_step`` counts every step."""
+    r = hvd.rank()
+
+    class RankGradient(tf.compat.v1.train.Optimizer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(use_locking=False, name="rank_gradient")
+            self.variable = tf.compat.v1.get_variable("moved", initializer=[0.0])
+
+        def compute_gradients(self, *args: Any, **kwargs: Any) -> Any:
+            return [(tf.constant([float(r + 1)]), self.variable)]
+
+        def _resource_apply_dense(self, grad: Any, var: Any) -> Any:
+            return var.assign_add(grad)
+
+    optimizer = hvd.DistributedOptimizer(
+        RankGradient(), backward_passes_per_step=3, average_aggregated_gradients=True
+    )
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    update = optimizer.apply_gradients(optimizer.compute_gradients(), global_step=global_step)
+    seen = []
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(7):
+            session.run(update)
+            value, count = session.run([optimizer._optimizer.variable, global_step])
+            seen.append([float(value[0]), int(count)])
+    return {"seen": seen}
+
+
 def _gradients(hvd: Any, tf: Any) -> dict[str, Any]:
     """``tf.gradients`` through collectives: their gradients are collectives of the graph too."""
     r, n = hvd.rank(), hvd.size()
@@ -256,6 +314,8 @@ def _graph_job() -> dict[str, Any]:
             "one_at_a_time": _one_fetch_at_a_time,
             "variables": _variables,
             "minimize": _minimize,
+            "legacy_training": _legacy_training,
+            "legacy_aggregation": _legacy_aggregation,
             "gradients": _gradients,
             "control_flow": _control_flow,
             "join_and_barrier": _join_and_barrier,
@@ -364,6 +424,32 @@ def test_minimize_applies_the_gradients_averaged_over_the_ranks(
         final_w, final_b = seen["minimize"]["final"]
         np.testing.assert_allclose(final_w, weights, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(final_b, bias, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_tensorflow_1_optimizer_and_hook_train_as_one_model(ranks: list[dict[str, Any]]) -> None:
+    # The hook gave every rank rank 0's start; each step applies the average of the ranks'
+    # gradients.
+    weights = np.array([[0.5], [-1.0], [2.0]])
+    data = [
+        (np.array(s["legacy_training"]["features"]), np.array(s["legacy_training"]["targets"]))
+        for s in ranks
+    ]
+    for _ in range(STEPS):
+        grads = [2 * f.T @ (f @ weights - t) / len(f) for f, t in data]
+        weights = weights - LEARNING_RATE * np.mean(grads, axis=0)
+    for seen in ranks:
+        assert seen["legacy_training"]["is_v1_optimizer"]
+        np.testing.assert_allclose(seen["legacy_training"]["final"], weights, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_tensorflow_1_optimizer_aggregates_backward_passes(ranks: list[dict[str, Any]]) -> None:
+    n = len(ranks)
+    mean = sum(range(1, n + 1)) / n  # the average over ranks of one step's gradient
+    expected = [[mean * 3 / 3 * ((step + 1) // 3), step + 1] for step in range(7)]
+    for seen in ranks:
+        np.testing.assert_allclose(seen["legacy_aggregation"]["seen"], expected, rtol=1e-6)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -501,7 +501,7 @@ def check_errors(hvd: Any, tf: Any, flavor: str, tmp: str) -> dict[str, Any]:
     wrapped = hvd.DistributedOptimizer(k.optimizers.SGD(0.1))
     out = {
         "compat_v1": _error_of(lambda: hvd.DistributedOptimizer(v1)),
-        "compat_v1_tf": _error_of(lambda: hvd_tf.DistributedOptimizer(v1)),
+        "compat_v1_tf": isinstance(hvd_tf.DistributedOptimizer(v1), tf.compat.v1.train.Optimizer),
         "not_optimizer": _error_of(lambda: hvd.DistributedOptimizer(object())),
         "twice": _error_of(lambda: hvd.DistributedOptimizer(wrapped)),
         "op": _error_of(lambda: hvd.DistributedOptimizer(k.optimizers.SGD(0.1), op=hvd.Max)),
@@ -829,10 +829,11 @@ def test_load_model_wraps_the_optimizer_and_keeps_its_state(job: dict[str, Any])
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_clear_errors(job: dict[str, Any]) -> None:
     for rank in _ranks(job, "errors"):
-        for key in ("compat_v1", "compat_v1_tf"):
-            assert "NotImplementedError" in rank[key]["types"], rank[key]
-            assert "Keras optimizer" in rank[key]["message"]
-            assert "DistributedGradientTape" in rank[key]["message"]
+        # Keras's wrapper refuses a TensorFlow 1 optimizer, naming hora.tensorflow's, which
+        # wraps it as one (for graphs run by a session; see test_graph_mode.py).
+        assert "NotImplementedError" in rank["compat_v1"]["types"], rank["compat_v1"]
+        assert "hora.tensorflow's DistributedOptimizer" in rank["compat_v1"]["message"]
+        assert rank["compat_v1_tf"] is True
         assert "TypeError" in rank["not_optimizer"]["types"]
         assert "already a hora DistributedOptimizer" in rank["twice"]["message"]
         assert "hvd.Average" in rank["op"]["message"]

@@ -147,32 +147,6 @@ def _saved_model() -> str | None:
     return "hora's TensorFlow collectives are no longer tf.py_functions"
 
 
-def _tf1_hooks() -> str | None:  # in the TensorFlow child
-    import tensorflow as tf
-
-    import hora.tensorflow as hvd
-    import hora.tensorflow.keras as hvd_keras
-
-    v1_optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
-    calls: dict[str, Callable[[], object]] = {
-        "BroadcastGlobalVariablesHook(0)": lambda: hvd.BroadcastGlobalVariablesHook(0),
-        "DistributedOptimizer(a tf.compat.v1 optimizer)": (
-            lambda: hvd.DistributedOptimizer(v1_optimizer)
-        ),
-        "keras.DistributedOptimizer(a tf.compat.v1 optimizer)": (
-            lambda: hvd_keras.DistributedOptimizer(v1_optimizer)
-        ),
-    }
-    accepted = []
-    for text, call in calls.items():
-        try:
-            call()
-        except NotImplementedError:
-            continue
-        accepted.append(text)
-    return f"no longer refused: {accepted}" if accepted else None
-
-
 def _xla() -> str | None:  # in the TensorFlow child
     import tensorflow as tf
 
@@ -207,7 +181,6 @@ PROBES: dict[str, tuple[str, Callable[[], str | None]]] = {
     "ccl-ddl": ("here", _ccl_ddl),
     "jsrun-lsf": ("here", _jsrun_lsf),
     "saved-model": ("here", _saved_model),
-    "tf1-hooks": ("tensorflow", _tf1_hooks),
     "xla": ("tensorflow", _xla),
     "ray-elastic": ("ray", _ray_elastic),
 }

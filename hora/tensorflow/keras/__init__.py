@@ -286,15 +286,22 @@ def PartialDistributedOptimizer(  # Horovod's name
     return wrapped
 
 
-def broadcast_global_variables(root_rank: int) -> None:
-    """Not available: TensorFlow 2 has no global variable collection.
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Give every global variable of a ``tf.compat.v1`` graph ``root_rank``'s value: the op to
+    run (as :func:`hora.tensorflow.broadcast_global_variables`).
 
     Raises:
-        RuntimeError: always; it names what to use instead.
+        RuntimeError: eagerly or inside ``tf.function``, where there is no global variable
+            collection; it names what to use instead.
     """
+    from hora.tensorflow._bridge import session_graph
+    from hora.tensorflow.functions import broadcast_global_variables as in_graph
+
+    if session_graph() is not None:
+        return in_graph(root_rank)
     raise RuntimeError(
         "broadcast_global_variables() needs TensorFlow 1's global variable collection, which "
-        "TensorFlow 2 does not have. With model.fit, pass "
+        "exists only in a tf.compat.v1 graph. With model.fit, pass "
         "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in callbacks; in a custom "
         f"loop, call hvd.broadcast_variables(model.variables, root_rank={root_rank}) after the "
         "model is built (and the optimizer's variables after its first step)."

@@ -47,10 +47,10 @@ _XLA = (
 )
 
 _COMPAT_V1 = (
-    "hora.tensorflow.keras.DistributedOptimizer wraps Keras optimizers; tf.compat.v1.train "
-    "optimizers belong to TensorFlow 1 graphs and sessions, which hora does not support. Use a "
-    "Keras optimizer (tf.keras.optimizers.SGD, Adam, ...) with DistributedOptimizer, or "
-    "hvd.DistributedGradientTape in a custom training loop."
+    "hora.tensorflow.keras.DistributedOptimizer wraps Keras optimizers. For a tf.compat.v1.train "
+    "optimizer in a TensorFlow 1 graph run by a session, use hora.tensorflow's "
+    "DistributedOptimizer (import hora.tensorflow as hvd); with Keras, use a Keras optimizer "
+    "(tf.keras.optimizers.SGD, Adam, ...)."
 )
 
 
