@@ -24,19 +24,34 @@ import torch
 
 from hora.common import basics
 from hora.common.elastic import loop as _loop
+from hora.common.elastic.loop import run_fn
 from hora.common.elastic.state import Commit, ObjectState
-from hora.common.errors import HoraInternalError, HostsUpdatedInterrupt
+from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 from hora.tensorflow import ops
+from hora.tensorflow.functions import (  # horovod.tensorflow.elastic has these four too
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+)
+from hora.tensorflow.mpi_ops import init, rank, shutdown
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "HoraInternalError",
+    "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "ObjectState",
     "TensorFlowKerasState",
     "TensorFlowState",
+    "broadcast_object",
+    "broadcast_object_fn",
+    "broadcast_variables",
+    "init",
+    "rank",
     "run",
+    "run_fn",
+    "shutdown",
 ]
 
 

@@ -108,7 +108,10 @@ HOROVOD: dict[str, tuple[str, ...]] = {
     "horovod.tensorflow.data.compute_service": (
         "TfDataServiceConfig", "compute_worker_fn", "send_to_data_service", "tf_data_service",
     ),
-    "horovod.tensorflow.elastic": ("TensorFlowKerasState", "TensorFlowState", "run"),
+    "horovod.tensorflow.elastic": (
+        "ObjectState", "TensorFlowKerasState", "TensorFlowState", "broadcast_object",
+        "broadcast_object_fn", "broadcast_variables", "init", "rank", "run", "run_fn", "shutdown",
+    ),
     "horovod.tensorflow.functions": (
         "allgather_object", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
     ),
@@ -162,7 +165,7 @@ HOROVOD: dict[str, tuple[str, ...]] = {
         "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
     ),
     "horovod.torch.compression": ("Compression", "Compressor", "FP16Compressor", "NoneCompressor"),
-    "horovod.torch.elastic": ("ElasticSampler", "TorchState", "run"),
+    "horovod.torch.elastic": ("ElasticSampler", "TorchState", "init", "run", "run_fn", "shutdown"),
     "horovod.torch.elastic.sampler": ("ElasticSampler",),
     "horovod.torch.elastic.state": (
         "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler", "StateHandler",

@@ -85,9 +85,10 @@ Semantics worth knowing (see each object's documentation):
 """
 
 from hora.common.elastic.durable import DurableCommitError, read_commit
-from hora.common.elastic.loop import reset_count, round_number, run
+from hora.common.elastic.loop import reset_count, round_number, run, run_fn
 from hora.common.elastic.state import ObjectState, State
 from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.common.lifecycle import init, shutdown  # horovod.torch.elastic has them too
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.elastic.torch_state import (
     ModelStateHandler,
@@ -113,9 +114,12 @@ __all__ = [
     "StateHandler",
     "TorchState",
     "get_handler_registry",
+    "init",
     "read_commit",
     "reset_count",
     "round_number",
     "run",
+    "run_fn",
     "set_handler_registry",
+    "shutdown",
 ]
