@@ -20,6 +20,7 @@ from hora.torch.gradient_reduction import (
     parameter_names,
     set_backward_passes_per_step,
     step_only,
+    weak_gradient_hook,
 )
 
 
@@ -56,7 +57,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in self._requires_update}
         self._handles: dict[torch.Tensor, Pending] = {}
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._requires_update
+            p.register_post_accumulate_grad_hook(weak_gradient_hook(self))
+            for p in self._requires_update
         ]
 
     def _on_gradient(self, p: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from hora.torch.gradient_reduction import (
     skip_synchronize,
     split_groups,
     step_only,
+    weak_gradient_hook,
 )
 
 
@@ -120,13 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._process_set,
                     lend=True,
                 )
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
-
-    def _make_hook(self) -> Any:
-        def hook(p: torch.Tensor) -> None:
-            self._on_gradient(p)
-
-        return hook
+            self._hooks.append(p.register_post_accumulate_grad_hook(weak_gradient_hook(self)))
 
     # ------------------------------------------------------------------ gradient flow
 

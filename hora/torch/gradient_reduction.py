@@ -7,7 +7,8 @@ This module knows optimizers, parameters and handles; the engine does the rest.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -178,6 +179,21 @@ class SparseReduction(Pending):
 
     def collect(self, optimizer: Any, p: torch.Tensor, group_results: GroupResults) -> None:
         p.grad = self._finish().coalesce()
+
+
+def weak_gradient_hook(owner: Any) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that calls ``owner._on_gradient(p)`` and holds ``owner`` weakly:
+    autograd keeps hooks in C++, where the garbage collector cannot see a cycle from a
+    parameter to its optimizer, so a strong reference would keep a dropped model and optimizer
+    (and their gradients and state) alive for the life of the process."""
+    reference = weakref.ref(owner)
+
+    def hook(p: torch.Tensor) -> None:
+        alive = reference()
+        if alive is not None:
+            alive._on_gradient(p)
+
+    return hook
 
 
 def global_step_hooks() -> bool:

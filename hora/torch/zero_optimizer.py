@@ -25,7 +25,6 @@ import inspect
 import itertools
 import math
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from hora.torch.gradient_reduction import (
     parameter_names,
     skip_synchronize,
     split_groups,
+    weak_gradient_hook,
 )
 from hora.torch.zero_layout import Layout, Piece, plan_buckets
 
@@ -201,7 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._build_layout()
         self._hooks: list[Any] = []
         if process_set.included() and (self._layout_size() > 1 or elastic_job()):
-            hook = _hook_of(weakref.ref(self))
+            hook = weak_gradient_hook(self)
             for p in self._trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
@@ -857,19 +857,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def process_set(self) -> ProcessSet:
         return self._process_set
-
-
-def _hook_of(optimizer: weakref.ref[ShardedOptimizer]) -> Any:
-    """The gradient hook of an optimizer, which holds it weakly: autograd keeps the hooks
-    in C++, where the garbage collector cannot see a cycle from a parameter to its optimizer,
-    so a strong reference would keep a dropped model and optimizer alive."""
-
-    def hook(p: torch.Tensor) -> None:
-        owner = optimizer()
-        if owner is not None:
-            owner._on_gradient(p)
-
-    return hook
 
 
 # Group keys that are not options of the update.

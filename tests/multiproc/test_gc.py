@@ -59,3 +59,42 @@ def test_init_freezes_what_exists_and_collects_what_comes_after(freeze: str) -> 
             assert seen["frozen"] > 10_000, seen  # torch's objects, at the least
         else:
             assert seen["frozen"] == 0, seen
+
+
+def _optimizers_are_freed() -> dict[str, bool]:
+    """A model and its DistributedOptimizer, dropped after training steps, are collected
+    (autograd's gradient hooks hold the optimizer weakly)."""
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    kinds = {
+        "averaging": {},
+        "adasum": {"op": hvd.Adasum},
+        "sharded": {"shard_optimizer_state": True},
+    }
+    freed = {}
+    for kind, options in kinds.items():
+        model = torch.nn.Linear(8, 2)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            **options,
+        )
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.ones(4, 8)).sum().backward()
+            optimizer.step()
+        probes = (weakref.ref(model), weakref.ref(optimizer))
+        del model, optimizer
+        gc.collect()
+        freed[kind] = all(probe() is None for probe in probes)
+    hvd.shutdown()
+    return freed
+
+
+@pytest.mark.timeout(90)
+def test_dropped_models_and_their_optimizers_are_collected() -> None:
+    for freed in hora.run(_optimizers_are_freed, np=2, timeout_s=60):
+        assert freed == {"averaging": True, "adasum": True, "sharded": True}, freed
