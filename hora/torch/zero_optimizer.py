@@ -12,8 +12,11 @@ only until their bucket leaves.
 
 Each bucket is updated as soon as its reduced shard arrives and its allgather starts at once,
 so the update of one bucket overlaps the communication of the others; ``step()`` returns once
-the parameters are whole again (the optimizer sees no module, so it cannot wait for them in the
-next forward pass instead).
+the parameters are whole again. The optimizer sees no module: after
+:meth:`ShardedOptimizer.overlap_gather_with_forward` (``model``) ``step()`` returns as soon as
+the allgathers are started, and each bucket is written into the parameters just before the
+first module that owns one of its parameters runs forward (or when anything else of the
+optimizer's, or ``model.state_dict()``/``load_state_dict()``, needs them whole).
 
 This module knows optimizers, parameters and handles; the state's consolidation and the
 per-rank files are in :mod:`hora.torch.zero_state`.
@@ -25,6 +28,7 @@ import inspect
 import itertools
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -198,6 +202,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = self._trainable[0].device if self._trainable else torch.device("cpu")
         self._sentinel = torch.zeros(1, device=device)
         self._pieces: dict[int, torch.Tensor] = {}
+        # After overlap_gather_with_forward(): the allgathers the last step() started, by
+        # bucket, whose results are not yet in the parameters.
+        self._overlap = False
+        self._gathering: dict[int, Any] = {}
+        self._overlap_hooks: list[Any] = []
         self._build_layout()
         self._hooks: list[Any] = []
         if process_set.included() and (self._layout_size() > 1 or elastic_job()):
@@ -326,6 +335,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Lay the shards out anew if the ranks changed, dropping this rank's state (the
         caller loads a consolidated state next)."""
         assert self._layout is not None
+        try:
+            self.finish_parameter_gather()
+        except HoraInternalError:
+            self._gathering.clear()
         if (self._layout_size(), self._layout_rank()) != (self._layout.size, self._layout.rank):
             self._build_layout()
 
@@ -359,6 +372,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _begin_pass(self) -> None:
         """At the first gradient of a step: take the pieces back from param_groups (a step
         GradScaler skipped leaves them shown) and check the ranks are those of the layout."""
+        self.finish_parameter_gather()
         self._in_pass = True
         self._hide()
         if self._synchronized:
@@ -457,6 +471,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reset_pass(self) -> None:
         """Forget a step in progress (load_state_dict, an elastic reset)."""
+        try:
+            self.finish_parameter_gather()
+        except HoraInternalError:
+            self._gathering.clear()  # the job failed: the state is restored from a commit
         self._pending = [None] * len(self._buckets)
         self._hide()
         self._synchronized = False
@@ -483,6 +501,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._synchronized:
             return
+        self.finish_parameter_gather()
         self._submit_outstanding()
         shards = [self._collect(number) for number in range(len(self._buckets))]
         self._end_pass()
@@ -531,6 +550,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError(NO_CLOSURE)
+        # The pieces are views of the parameters: the last step's gathers go in before this
+        # step updates them.
+        self.finish_parameter_gather()
         timeline = current_timeline()
         started = timeline.now() if timeline is not None else 0
         found_inf = getattr(self, "found_inf", None)
@@ -588,7 +610,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for piece in self._layout.pieces[number]:
                     self._pieces[piece.index].grad = None  # its reduced shard is used up
                 gathers.append((number, self._gather(number)))
-                gathers = self._scatter_finished(gathers)
+                if not self._overlap:  # overlapped, each bucket goes in before its forward
+                    gathers = self._scatter_finished(gathers)
         else:
             if not collected:
                 for number in range(len(self._buckets)):
@@ -598,7 +621,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not collected:
             self._end_pass()
         for number, gathered in gathers:
-            self._scatter_back(number, gathered)
+            if self._overlap and gathered is not None:
+                self._gathering[number] = gathered  # written before the next forward needs it
+            else:
+                self._scatter_back(number, gathered)
 
     def _scatter_finished(self, gathers: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         """Write the gathers that are in into the parameters (freeing their buffers); returns
@@ -692,7 +718,63 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradients
 
+    # ------------------------------------------------------------------ overlap
+
+    def overlap_gather_with_forward(self, model: torch.nn.Module) -> None:
+        """Let ``step()`` return once the updated shards' allgathers are started, and write
+        each gathered bucket into the parameters just before the first module of ``model``
+        that owns one of its parameters runs forward: the next forward pass computes while
+        the parameters it reaches later are still on the wire.
+
+        Everything else that reads the parameters through the optimizer or the model waits
+        for them first: ``step()``, ``synchronize()``, the next backward pass,
+        the optimizer's state methods, ``model.state_dict()`` and ``model.load_state_dict()``.
+        Code that reads a parameter another way between ``step()`` and the forward pass that
+        uses it (a parent module using a child's weight before the child runs, an EMA of the
+        weights, ``hvd.broadcast_parameters(model.named_parameters())``) calls
+        :meth:`finish_parameter_gather` first.
+
+        Args:
+            model: the module whose parameters this optimizer updates (or one containing them).
+
+        Example:
+            >>> optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+            ...                                      shard_optimizer_state=True)
+            >>> optimizer.overlap_gather_with_forward(model)
+        """
+        reference = weakref.ref(self)
+        for module in model.modules():
+            numbers = sorted(
+                {
+                    self._bucket_of[self._index[p]]
+                    for p in module.parameters(recurse=False)
+                    if p in self._index
+                }
+            )
+            if numbers:
+                hook = _gather_before_forward(reference, tuple(numbers))
+                self._overlap_hooks.append(module.register_forward_pre_hook(hook))
+        settle = _settle_before(reference)
+        self._overlap_hooks.append(model.register_state_dict_pre_hook(settle))
+        self._overlap_hooks.append(model.register_load_state_dict_pre_hook(settle))
+        self._overlap = True
+
+    def finish_parameter_gather(self, buckets: Any = None) -> None:
+        """Write what the last ``step()``'s allgathers brought into the parameters now (of
+        ``buckets``, or all); nothing to do without :meth:`overlap_gather_with_forward`."""
+        if not self._gathering:
+            return
+        chosen = sorted(self._gathering) if buckets is None else buckets
+        for number in chosen:
+            gathered = self._gathering.pop(number, None)
+            if gathered is not None:
+                self._scatter_back(number, gathered)
+
+    # ------------------------------------------------------------------ gradients
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # Not a reason to wait for the parameters: the pieces' gradients are dropped, their
+        # data is left alone (the usual loop calls zero_grad() before the forward pass).
         if any(pending is not None for pending in self._pending):
             raise AssertionError(ZERO_GRAD_RACE)
         self._hide()
@@ -794,6 +876,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> if hvd.rank() == 0:
             ...     torch.save(state, "optimizer.pt")
         """
+        self.finish_parameter_gather()
         return zero_state.consolidated_state_dict(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -806,6 +889,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> torch.save(optimizer.sharded_state_dict(), f"optimizer.{hvd.rank()}.pt")
         """
+        self.finish_parameter_gather()
         return zero_state.sharded_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -857,6 +941,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def process_set(self) -> ProcessSet:
         return self._process_set
+
+
+def _gather_before_forward(
+    optimizer: weakref.ref[ShardedOptimizer], buckets: tuple[int, ...]
+) -> Any:
+    """A module's forward pre-hook: write the gathered buckets of its parameters first (holds
+    the optimizer weakly, as the gradient hooks do)."""
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        owner = optimizer()
+        if owner is not None and owner._gathering:
+            owner.finish_parameter_gather(buckets)
+
+    return hook
+
+
+def _settle_before(optimizer: weakref.ref[ShardedOptimizer]) -> Any:
+    """A model's state_dict / load_state_dict pre-hook: every gathered bucket goes in first."""
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        owner = optimizer()
+        if owner is not None:
+            owner.finish_parameter_gather()
+
+    return hook
 
 
 # Group keys that are not options of the update.

@@ -74,6 +74,7 @@ def _train(
     unused: bool = False,
     scheduler: bool = False,
     process_set: Any = None,
+    overlap: bool = False,
     **wrap: Any,
 ) -> dict[str, Any]:
     """Train one model; ``shard`` 0 is the unsharded optimizer, 1 and 2 the ZeRO stages.
@@ -104,6 +105,8 @@ def _train(
         compression=getattr(hvd.Compression, compression),
         **options,
     )
+    if overlap and shard:
+        optimizer.overlap_gather_with_forward(model)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5) if scheduler else None
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2) if amp else None
     if inf_at is not None:
@@ -150,6 +153,8 @@ def _train(
             optimizer.step()
         if schedule is not None:
             schedule.step()
+    if overlap and shard:
+        optimizer.finish_parameter_gather()  # the last step's gathers: no forward follows
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["optimizer"] = optimizer
     out["model"] = model
@@ -249,6 +254,17 @@ def _equivalence_worker() -> dict[str, Any]:
         )
         out[f"sgd_clip_stage{shard}"] = _compare("sgd_momentum", shard, clip=0.05)
         out[f"adam_clip_inf_stage{shard}"] = _compare("adam", shard, clip=0.01, norm_type=inf)
+        # Parameters gathered during the next forward pass, bucket by bucket (3 buckets).
+        for name in ("sgd_momentum", "adam"):
+            out[f"{name}_overlap_stage{shard}"] = _compare(name, shard, overlap=True, groups=3)[
+                "difference"
+            ]
+        out[f"adam_overlap_passes2_unused_stage{shard}"] = _compare(
+            "adam", shard, overlap=True, groups=3, passes=2, unused=True
+        )["difference"]
+        out[f"adam_overlap_scaler_clip_stage{shard}"] = _compare(
+            "adam", shard, overlap=True, groups=3, amp="unscale", clip=0.05, inf_at=1
+        )
     hvd.shutdown()
     return out
 
@@ -290,6 +306,9 @@ def test_sharded_training_matches_the_unsharded_optimizer(
         ("adam_unused", 1e-6),
         ("adam_scheduler", 1e-6),
         ("adagrad_initial", 1e-6),
+        ("sgd_momentum_overlap", 1e-6),
+        ("adam_overlap", 1e-6),
+        ("adam_overlap_passes2_unused", 1e-6),
     ],
 )
 def test_options_keep_sharded_training_equivalent(
@@ -303,7 +322,14 @@ def test_options_keep_sharded_training_equivalent(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize(
-    "case", ["adam_scaler", "adam_scaler_direct", "adamw_scaler_fp16_passes2", "sgd_scaler_clip"]
+    "case",
+    [
+        "adam_scaler",
+        "adam_scaler_direct",
+        "adamw_scaler_fp16_passes2",
+        "sgd_scaler_clip",
+        "adam_overlap_scaler_clip",
+    ],
 )
 def test_grad_scaler_skips_and_scales_as_the_unsharded_optimizer(
     equivalence: list[dict[str, Any]], case: str, stage: int
@@ -622,6 +648,36 @@ def _behaviour_worker() -> dict[str, Any]:
         )
         opt.step()
 
+    # With the gather overlapped, step() leaves the other ranks' shards to the next forward;
+    # model.state_dict() (and each module's forward) writes them first.
+    m = _model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(m.parameters(), lr=0.01),
+        named_parameters=m.named_parameters(),
+        shard_optimizer_state=True,
+        groups=3,
+    )
+    opt.overlap_gather_with_forward(m)
+    m(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    after_step = [p.detach().clone() for p in m.parameters()]
+    whole = [t.clone() for t in m.state_dict().values()]
+    out["overlap_stale_after_step"] = any(not torch.equal(a, b) for a, b in zip(after_step, whole))
+    out["overlap_state_dict_whole"] = all(
+        torch.equal(a, b.detach()) for a, b in zip(whole, m.parameters())
+    )
+    opt.zero_grad()
+    m(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    first = m[0].weight.detach().clone()
+    m[0](torch.ones(1, 6))  # the first layer's forward writes its bucket in
+    out["overlap_forward_writes_its_bucket"] = not torch.equal(first, m[0].weight.detach())
+    opt.finish_parameter_gather()
+    everywhere = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    out["overlap_ranks_agree"] = bool(
+        torch.equal(hvd.broadcast(everywhere, 0, name="overlap.check"), everywhere)
+    )
+
     # A GradScaler without synchronize() first is refused (the same on every rank).
     m = _model()
     opt = hvd.DistributedOptimizer(
@@ -695,6 +751,17 @@ def test_stage_two_releases_gradients_and_synchronize_shows_the_shards(
                 "backward_passes_per_step",
             )
     assert sum(shown) == 2 * total
+
+
+@pytest.mark.timeout(150)
+def test_overlapped_gather_writes_each_bucket_before_it_is_read(
+    behaviour: list[dict[str, Any]],
+) -> None:
+    for observed in behaviour:
+        assert observed["overlap_stale_after_step"], "step() waited for the gathers"
+        assert observed["overlap_state_dict_whole"]
+        assert observed["overlap_forward_writes_its_bucket"]
+        assert observed["overlap_ranks_agree"]
 
 
 @pytest.mark.timeout(150)
