@@ -620,6 +620,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gathers = [(number, self._gather(number)) for number in range(len(self._buckets))]
         if not collected:
             self._end_pass()
+        self._place(gathers)
+
+    def _place(self, gathers: list[tuple[int, Any]]) -> None:
+        """Write the gathered buckets into the parameters, or, with the gather overlapped,
+        keep them for the next forward pass."""
         for number, gathered in gathers:
             if self._overlap and gathered is not None:
                 self._gathering[number] = gathered  # written before the next forward needs it
