@@ -126,6 +126,7 @@ def _dynamic_timeline(folder: str) -> dict[str, Any]:
     hvd.init()
     hvd.allreduce(torch.ones(1), name="before")
     written_at_init = sorted(os.listdir(folder))
+    hvd.barrier()  # every rank has looked before any starts the timeline in the shared folder
     hvd.start_timeline(os.path.join(folder, "timeline.json"))
     hvd.allreduce(torch.ones(1), name="during")
     hvd.stop_timeline()
