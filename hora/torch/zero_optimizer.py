@@ -335,10 +335,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Lay the shards out anew if the ranks changed, dropping this rank's state (the
         caller loads a consolidated state next)."""
         assert self._layout is not None
-        try:
-            self.finish_parameter_gather()
-        except HoraInternalError:
-            self._gathering.clear()
+        self._finish_or_drop_gather()
         if (self._layout_size(), self._layout_rank()) != (self._layout.size, self._layout.rank):
             self._build_layout()
 
@@ -471,10 +468,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reset_pass(self) -> None:
         """Forget a step in progress (load_state_dict, an elastic reset)."""
-        try:
-            self.finish_parameter_gather()
-        except HoraInternalError:
-            self._gathering.clear()  # the job failed: the state is restored from a commit
+        self._finish_or_drop_gather()
         self._pending = [None] * len(self._buckets)
         self._hide()
         self._synchronized = False
@@ -774,6 +768,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gathered = self._gathering.pop(number, None)
             if gathered is not None:
                 self._scatter_back(number, gathered)
+
+    def _finish_or_drop_gather(self) -> None:
+        """:meth:`finish_parameter_gather`, or, when the job failed meanwhile, forget the
+        gathers (an elastic reset restores the parameters from a commit)."""
+        try:
+            self.finish_parameter_gather()
+        except HoraInternalError:
+            self._gathering.clear()
 
     # ------------------------------------------------------------------ gradients
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hora.common.errors import HoraInternalError
-from hora.common.message import Request, RequestType
+from hora.common.message import Key, Request, RequestType
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ class Handle:
         self.results: list[Any] = [None] * count
         self.error: str | None = None
         # The keys its call was submitted under (set by the intake; see WaitObserver.consumed).
-        self.keys: tuple[Any, ...] = ()
+        self.keys: tuple[Key, ...] = ()
         self._remaining = count
         # A latch: held until the result is in (a bare lock costs a fraction of an Event,
         # and every gradient of every step makes a handle).

@@ -153,11 +153,14 @@ class Intake:
             if len(entries) > 1 and len({e.request.key for e in entries}) != len(entries):
                 raise HoraValueError(DUPLICATE_NAME.format(name=entries[0].request.name))
             unconsumed = self._unconsumed
+            by_handle: dict[Handle, list[Key]] = {}
             for entry in entries:
                 key = entry.request.key
                 in_flight[key] = entry
                 unconsumed[key] = entry.handle
-                entry.handle.keys += (key,)
+                by_handle.setdefault(entry.handle, []).append(key)
+            for handle, keys in by_handle.items():
+                handle.keys += tuple(keys)
             if submitted:
                 for entry in entries:
                     entry.submitted = submitted
