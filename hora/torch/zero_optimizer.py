@@ -736,11 +736,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Args:
             model: the module whose parameters this optimizer updates (or one containing them).
 
+        Raises:
+            ValueError: ``model`` lacks some of the parameters this optimizer updates (their
+                modules would run before their gathered values are in).
+
         Example:
             >>> optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
             ...                                      shard_optimizer_state=True)
             >>> optimizer.overlap_gather_with_forward(model)
         """
+        held = set(model.parameters())
+        missing = [self._parameter_names[p] for p in self._trainable if p not in held]
+        if missing:
+            raise HoraValueError(
+                f"overlap_gather_with_forward: the model does not hold {len(missing)} of the "
+                f"parameters this optimizer updates ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}). Pass the module that contains every "
+                "parameter the optimizer updates."
+            )
         reference = weakref.ref(self)
         for module in model.modules():
             numbers = sorted(

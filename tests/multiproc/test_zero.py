@@ -657,6 +657,7 @@ def _behaviour_worker() -> dict[str, Any]:
         shard_optimizer_state=True,
         groups=3,
     )
+    out["overlap_other_model"] = error_of(lambda: opt.overlap_gather_with_forward(m[0]))
     opt.overlap_gather_with_forward(m)
     m(torch.ones(2, 6)).sum().backward()
     opt.step()
@@ -762,6 +763,9 @@ def test_overlapped_gather_writes_each_bucket_before_it_is_read(
         assert observed["overlap_state_dict_whole"]
         assert observed["overlap_forward_writes_its_bucket"]
         assert observed["overlap_ranks_agree"]
+        assert_raised(
+            observed["overlap_other_model"], ValueError, "does not hold 4 of the parameters"
+        )
 
 
 @pytest.mark.timeout(150)
