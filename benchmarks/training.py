@@ -30,17 +30,26 @@ step's time is that of the slowest rank, and throughputs come from the median st
 ``batch / median`` for one process, ``np * batch / median`` for DDP and hora. Steps are timed in
 blocks that start with a barrier and one untimed step; the modes' blocks alternate (single, hora,
 DDP, DDP, hora, single, ...) so that drift in the machine's load hits all alike. Goal: hora's
-throughput >= 1.05x DDP's. Rank 0 prints the table, with a breakdown of rank 0's median step into
+throughput >= 1.05x DDP's; with ``--np 1``, on the CPU or a GPU, it is what hora's
+``DistributedOptimizer`` costs the loop: hora's throughput >= 0.98x the single mode's (an
+overhead of at most 2%). Rank 0 prints the table, with a breakdown of rank 0's median step into
 forward, backward and ``step()``; ``--json PATH`` also writes every sample there.
 
 ``--device cuda`` trains on GPUs instead (the default is ``--device cpu``, as above): each worker
 uses GPU ``local_rank % device_count`` for its models and batches, the single-process mode
-included; DDP runs over a default group on NCCL (``device_ids=[gpu]``; the CPU tensors of the
-timing gather go over Gloo) and hora over its NCCL data path (``HORA_GPU_OPERATIONS=nccl`` unless
-the environment sets it). Forward, backward and ``step()`` each end with
-``torch.cuda.synchronize()``, so a step's time covers the GPU's work. It starts one worker per
-visible GPU unless ``--np`` says otherwise. Goal: hora's throughput >= 1.0x DDP's. Without CUDA
-GPUs, NCCL or hora's NCCL data path it says why and exits with status 2::
+included. Forward, backward and ``step()`` each end with ``torch.cuda.synchronize()``, so a
+step's time covers the GPU's work. It starts one worker per visible GPU unless ``--np`` says
+otherwise, and compares what the workers' GPUs allow:
+
+- one GPU per worker (``--np 1`` included): DDP over a default group on NCCL (``device_ids=[gpu]``; the CPU tensors of
+  the timing gather go over Gloo) and hora over its NCCL data path (``HORA_GPU_OPERATIONS=nccl``
+  unless the environment sets it). Goal: hora's throughput >= 1.0x DDP's;
+- more workers than GPUs (say ``--np 2`` on one GPU): NCCL cannot put two ranks on one GPU, so
+  DDP runs over Gloo, which stages CUDA tensors through host memory, and hora sends them through
+  host memory too (it finds the shared GPU itself). Goal: hora's throughput >= 1.0x DDP's.
+
+The report names the data path that hora's CUDA tensors took. Without a CUDA GPU it says why and
+exits with status 2::
 
     .venv/bin/python benchmarks/training.py --device cuda [--models ...] [--np N]
 """
@@ -75,6 +84,8 @@ import harness
 
 GOAL = 1.05  # hora throughput / DDP throughput
 GOALS = {"cpu": GOAL, "cuda": 1.0}  # the same, by --device
+# With one worker: hora samples/s / single-process samples/s (hora's overhead at most 2%).
+ALONE_GOAL = 0.98
 RAW_PREFIX = "raw-train-bench/"
 SEED = 1234
 LEARNING_RATE = 0.01
@@ -328,9 +339,11 @@ def relaunch(args: argparse.Namespace) -> int:
     return harness.relaunch(__file__, args.np, forwarded)
 
 
-def init_raw_group(rank: int, size: int, device: torch.device) -> None:
-    """The default group DDP runs on: Gloo, or, on a GPU, NCCL (bound to ``device``)."""
-    if device.type == "cuda":
+def init_raw_group(rank: int, size: int, device: torch.device, shared: bool = False) -> None:
+    """The default group DDP runs on: Gloo, or, on a GPU of its own, NCCL (bound to
+    ``device``). Workers that share a GPU (``shared``) use Gloo, which stages CUDA tensors
+    through host memory."""
+    if device.type == "cuda" and not shared:
         harness.init_raw_group(
             rank, size, RAW_PREFIX, 300, backend=harness.NCCL_BACKEND, device_id=device
         )
@@ -582,9 +595,12 @@ def bench_model(
     row["ratio"] = hora_rate / ddp_rate
     row["hora_efficiency"] = hora_rate / (size * single)
     row["ddp_efficiency"] = ddp_rate / (size * single)
-    goal = GOALS[device.type]
-    row["goal"] = f"hora samples/s >= {goal:g}x DDP"
-    row["pass"] = row["ratio"] >= goal
+    if size == 1:
+        row["goal"] = f"hora >= {ALONE_GOAL:g}x single"
+        row["pass"] = row["hora_efficiency"] >= ALONE_GOAL
+    else:
+        row["goal"] = f"hora >= {GOALS[device.type]:g}x DDP"
+        row["pass"] = row["ratio"] >= GOALS[device.type]
     # Both trained the same number of steps on the same data from the same start.
     hora_params = flat_parameters(modes["hora"].module)
     row["hora_vs_ddp_max_abs_diff"] = float((hora_params - flat_parameters(ddp_module)).abs().max())
@@ -622,7 +638,7 @@ def format_table(results: dict[str, Any]) -> str:
             f"{r['ratio']:.3f}x",
             f"{r['hora_efficiency']:.0%}",
             f"{r['ddp_efficiency']:.0%}",
-            f"hora >= {results['goal']:g}x DDP",
+            r["goal"],
             harness.verdict(r["pass"]),
         )
         for r in results["models"]
@@ -684,24 +700,32 @@ def format_table(results: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- main
 
 
-def worker_device(device_type: str) -> torch.device:
-    """The device this worker trains on: the CPU, or its GPU (call it after ``hvd.init()``)."""
+def worker_device(device_type: str) -> tuple[torch.device, bool]:
+    """The device this worker trains on (the CPU, or its GPU), and whether other workers of
+    this host train on that GPU too (call it after ``hvd.init()``)."""
     if device_type != "cuda":
-        return torch.device("cpu")
-    if hvd.local_size() > torch.cuda.device_count():
-        raise SystemExit(
-            f"--device cuda: {hvd.local_size()} workers on this host share "
-            f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per worker."
-        )
-    return harness.local_gpu()
+        return torch.device("cpu"), False
+    return harness.local_gpu(), hvd.local_size() > torch.cuda.device_count()
 
 
-def device_label(device: torch.device) -> str:
+def hora_gpu_path() -> str:
+    """The path that hora's CUDA tensors took in the global set: NCCL, or host memory."""
+    from hora.common import basics
+
+    engine: Any = basics.engine()
+    return "nccl" if engine._device_communicators else "host"
+
+
+def device_label(device: torch.device, shared: bool, path: str | None) -> str:
     """How the report names the device (nothing on the CPU, as before ``--device``)."""
     if device.type != "cuda":
         return ""
-    path = os.environ.get("HORA_GPU_OPERATIONS", "default")
-    return f"on {torch.cuda.get_device_name(device)} GPUs (HORA_GPU_OPERATIONS={path}), "
+    setting = os.environ.get("HORA_GPU_OPERATIONS", "default")
+    workers = f"{hvd.local_size()} workers per GPU" if shared else "one worker per GPU"
+    return (
+        f"on {torch.cuda.get_device_name(device)} GPUs, {workers} (HORA_GPU_OPERATIONS={setting}"
+        f", hora's CUDA tensors went through {path}), "
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -713,8 +737,8 @@ def worker(args: argparse.Namespace) -> None:
         os.environ.setdefault("HORA_GPU_OPERATIONS", "nccl")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    device = worker_device(args.device)
-    init_raw_group(rank, size, device)
+    device, shared = worker_device(args.device)
+    init_raw_group(rank, size, device, shared)
     gpu_operations = os.environ.get("HORA_GPU_OPERATIONS") if device.type == "cuda" else None
     settings = Settings.from_env()
     # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
@@ -736,14 +760,17 @@ def worker(args: argparse.Namespace) -> None:
         "warmup": args.warmup,
         "block": args.block,
         "device": str(device),
-        "device_label": device_label(device),
-        "ddp_backend": "nccl" if device.type == "cuda" else "gloo",
+        "shared_gpu": shared,
+        "ddp_backend": "nccl" if device.type == "cuda" and not shared else "gloo",
         "hora_gpu_operations": gpu_operations,
-        "goal": GOALS[device.type],
+        "goal": ALONE_GOAL if size == 1 else GOALS[device.type],
         "models": [
             bench_model(MODELS[name], args, timer, rank, size, device) for name in args.models
         ],
     }
+    path = hora_gpu_path() if device.type == "cuda" else None
+    results["hora_gpu_path"] = path
+    results["device_label"] = device_label(device, shared, path)
     harness.report(results, started, rank, format_table, args.json)
     dist.destroy_process_group()
     hvd.shutdown()
@@ -751,14 +778,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def cuda_refusal(args: argparse.Namespace) -> str | None:
     """Why this ``--device cuda`` run cannot go ahead (``None``: it can)."""
-    reason = harness.nccl_unavailable("--device cuda")
-    gpus = torch.cuda.device_count() if reason is None else 0
-    if reason is None and "HORA_RANK" not in os.environ and args.np > gpus:
-        reason = (
-            f"--device cuda needs a GPU per worker: --np {args.np}, and this host has {gpus} "
-            "GPU(s) (NCCL does not put two ranks on one GPU)."
-        )
-    return reason
+    return harness.nccl_unavailable("--device cuda")
 
 
 def main() -> int:
