@@ -1,11 +1,18 @@
 """CUDA tensors through hora on real processes: collectives, DistributedOptimizer (with
-torch.amp), SyncBatchNorm and the examples, over NCCL (``HORA_GPU_OPERATIONS=nccl``) and through
-host memory (``host``).
+torch.amp), SyncBatchNorm, NVTX ranges and the examples, over NCCL (``HORA_GPU_OPERATIONS=nccl``)
+and through host memory (``host``).
 
 Skipped where no GPU is visible. A host with fewer GPUs than ranks shares them round-robin
 (ranks ``i`` and ``i + count`` on GPU ``i``), so one GPU runs the np=2 and np=3 jobs too; NCCL
 cannot put two ranks on one GPU, so there the NCCL jobs check that hora sends CUDA tensors
-through host memory instead (and says so), and NCCL itself runs where each rank has a GPU.
+through host memory instead (and says so). The np=1 job runs NCCL end to end on any GPU (a group
+of one: its creation, stream ordering and completion polling); NCCL among several ranks, and
+the secret proof over NCCL's connections (which a group of one skips), need a GPU per rank.
+
+Training and SyncBatchNorm are checked twice: against the same computation on the GPU in one
+process, and against it on the CPU in float32.
+
+``.ci/gpu-check`` runs this file, with the GPU benchmarks, on a machine with a GPU.
 """
 
 from __future__ import annotations
@@ -168,6 +175,9 @@ def _train(device: Any, optimizer_name: str, steps: int, amp: bool = False) -> d
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     reference = _model(100, device)
     reference_optimizer = make(reference.parameters())
+    # The same one-process loop on the CPU, in float32 throughout (no autocast, no scaler).
+    on_cpu = _model(100, "cpu")
+    on_cpu_optimizer = make(on_cpu.parameters())
     # A loss scale that overflows neither side: each rank scales its own slice's loss, whose
     # gradients are size times those of the whole batch's mean loss, so with the default
     # scale (65536) a rank can skip a step (inf) that the one-process reference takes.
@@ -180,6 +190,11 @@ def _train(device: Any, optimizer_name: str, steps: int, amp: bool = False) -> d
         y = torch.randn(BATCH, 1, generator=data).to(device)
         optimizer.zero_grad()
         reference_optimizer.zero_grad()
+        on_cpu_optimizer.zero_grad()
+        torch.nn.functional.mse_loss(on_cpu(x.cpu()), y.cpu()).backward()
+        if amp:
+            torch.nn.utils.clip_grad_norm_(on_cpu.parameters(), 1.0)
+        on_cpu_optimizer.step()
         with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
             loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
             reference_loss = torch.nn.functional.mse_loss(reference(x), y)
@@ -208,6 +223,10 @@ def _train(device: Any, optimizer_name: str, steps: int, amp: bool = False) -> d
     return {
         "reference": max(
             (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
+        ),
+        "cpu_reference": max(
+            (a.cpu() - b).abs().max().item()
+            for a, b in zip(model.parameters(), on_cpu.parameters())
         ),
         "ranks": (every_rank - flat).abs().max().item(),
         "on_gpu": float(all(p.is_cuda for p in model.parameters())),
@@ -263,13 +282,35 @@ def _sync_batch_norm(device: Any) -> dict[str, float]:
     start = sum(b.shape[0] for b in batches[:rank])
     ours = slice(start, start + batches[rank].shape[0])
     weight_grad = hvd.allreduce(layer.weight.grad, op=hvd.Sum, name="bn.weight_grad")
-    return {
-        "output": (output - expected[ours]).abs().max().item(),
-        "input_grad": (mine.grad - whole.grad[ours]).abs().max().item(),
-        "weight_grad": (weight_grad - reference.weight.grad).abs().max().item(),
-        "running_mean": (layer.running_mean - reference.running_mean).abs().max().item(),
-        "running_var": (layer.running_var - reference.running_var).abs().max().item(),
-    }
+    # The same batch through torch.nn.BatchNorm2d on the CPU.
+    whole_cpu = torch.cat(batches).detach().requires_grad_()
+    on_cpu = torch.nn.BatchNorm2d(3)
+    expected_cpu = on_cpu(whole_cpu)
+    expected_cpu.pow(2).sum().backward()
+    differences = {}
+    for suffix, ref, out, grad in (
+        ("", reference, expected, whole.grad),
+        ("_cpu", on_cpu, expected_cpu, whole_cpu.grad),
+    ):
+        differences.update(
+            {
+                "output" + suffix: (output.cpu() - out[ours].cpu()).abs().max().item(),
+                "input_grad" + suffix: (mine.grad.cpu() - grad[ours].cpu()).abs().max().item(),
+                "weight_grad" + suffix: (weight_grad.cpu() - ref.weight.grad.cpu())
+                .abs()
+                .max()
+                .item(),
+                "running_mean" + suffix: (layer.running_mean.cpu() - ref.running_mean.cpu())
+                .abs()
+                .max()
+                .item(),
+                "running_var" + suffix: (layer.running_var.cpu() - ref.running_var.cpu())
+                .abs()
+                .max()
+                .item(),
+            }
+        )
+    return differences
 
 
 def _data_path() -> str:
@@ -305,7 +346,7 @@ def _cuda_worker() -> dict[str, Any]:
 
 @pytest.fixture(
     scope="module",
-    params=[(2, "nccl"), (3, "nccl"), (2, "host"), (3, "host")],
+    params=[(1, "nccl"), (2, "nccl"), (3, "nccl"), (2, "host"), (3, "host")],
     ids=lambda p: f"np{p[0]}-{p[1]}",
 )
 def cuda_job(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
@@ -342,16 +383,26 @@ def test_a_tensor_written_on_a_side_stream_is_reduced_with_its_final_values(
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("case", "tolerance"), [("sgd", 1e-5), ("sgd_steady", 1e-4), ("adam", 1e-5), ("amp", 5e-3)]
+    ("case", "tolerance", "cpu_tolerance"),
+    # AMP computes in float16 where the CPU reference computes in float32.
+    [
+        ("sgd", 1e-5, 1e-4),
+        ("sgd_steady", 1e-4, 1e-3),
+        ("adam", 1e-5, 1e-4),
+        ("amp", 5e-3, 5e-2),
+    ],
 )
 def test_training_on_the_gpu_matches_one_process(
-    cuda_job: list[dict[str, Any]], case: str, tolerance: float
+    cuda_job: list[dict[str, Any]], case: str, tolerance: float, cpu_tolerance: float
 ) -> None:
     for rank, observed in enumerate(cuda_job):
         result = observed[case]
         assert result["on_gpu"] == 1.0
         assert result["ranks"] == 0.0, f"rank {rank}: ranks differ by {result['ranks']} ({case})"
         assert result["reference"] < tolerance, f"rank {rank}: {case} differs by {result}"
+        assert result["cpu_reference"] < cpu_tolerance, (
+            f"rank {rank}: {case} differs from the CPU by {result}"
+        )
 
 
 @pytest.mark.timeout(180)
@@ -365,6 +416,54 @@ def test_sync_batch_norm_on_the_gpu(cuda_job: list[dict[str, Any]]) -> None:
     for rank, observed in enumerate(cuda_job):
         for quantity, difference in observed["sync_batch_norm"].items():
             assert difference < 1e-4, f"rank {rank}: {quantity} differs by {difference}"
+
+
+def _nvtx_worker() -> dict[str, Any]:
+    """With ``HORA_ENABLE_NVTX=1``: the ranges hora opened through ``torch.cuda.nvtx``.
+
+    ``torch.cuda.nvtx``'s functions are wrapped before ``hvd.init()`` so that each call is
+    recorded and then made: hora's ranges reach NVTX, as ``nsys`` would see them.
+    """
+    import torch
+    import torch.cuda.nvtx as nvtx
+
+    import hora.torch as hvd
+    from hora.common.engine.tracing import nvtx_ranges
+    from hora.tools.synthetic_benchmark import pick_device
+
+    names: list[str] = []
+    real_push, real_start = nvtx.range_push, nvtx.range_start
+
+    def push(name: str) -> Any:
+        names.append(name)
+        return real_push(name)
+
+    def start(name: str) -> Any:
+        names.append(name)
+        return real_start(name)
+
+    nvtx.range_push, nvtx.range_start = push, start  # type: ignore[assignment]
+    hvd.init()
+    device = pick_device(no_cuda=False)
+    on_gpu = hvd.allreduce(torch.ones(1000, device=device), op=hvd.Sum, name="nvtx.gpu")
+    hvd.allgather(torch.ones(3, device=device), name="nvtx.gather")
+    hvd.allreduce(torch.ones(10), op=hvd.Sum, name="nvtx.cpu")
+    torch.cuda.synchronize(device)
+    right = bool((on_gpu == hvd.size()).all().item())
+    hvd.shutdown()
+    return {"available": nvtx_ranges() is not None, "names": sorted(set(names)), "right": right}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [1, 2])
+def test_nvtx_ranges_reach_torch_cuda_nvtx(np: int) -> None:
+    from hora.common.engine.tracing import RANGE_PREFIX
+
+    results = run_job(_nvtx_worker, np, env={"HORA_ENABLE_NVTX": "1"}, timeout_s=120)
+    for rank, observed in enumerate(results):
+        assert observed["available"] and observed["right"], f"rank {rank}: {observed}"
+        expected = {RANGE_PREFIX + phase for phase in ("NEGOTIATE", "ALLREDUCE", "ALLGATHER")}
+        assert expected <= set(observed["names"]), f"rank {rank}: {observed['names']}"
 
 
 def _horarun(*command: str) -> str:
