@@ -54,11 +54,16 @@ class ProcessSet:
     def _unbind(self) -> None:
         self.process_set_id = None
 
+    def _suspend(self) -> None:
+        """The session ended: the set keeps its id, and its queries raise until the next bind
+        (the global set's, after ``hvd.shutdown()``)."""
+        self._my_rank = None
+
     def _bound_rank(self) -> int | None:
         """This process's global rank, once the set is registered; ``None`` before."""
         if self.process_set_id is None:
             return None
-        if self._my_rank is None:  # the global set, before the first hvd.init()
+        if self._my_rank is None:  # the global set, before hvd.init() or after shutdown()
             raise ValueError(NOT_INITIALIZED)
         return self._my_rank
 
@@ -69,12 +74,20 @@ class ProcessSet:
         return len(self.ranks)
 
     def rank(self) -> int | None:
-        """This process's rank within the set (-1 when it is not a member); ``None`` while the
-        set is not registered."""
+        """This process's rank within the set; ``None`` while the set is not registered.
+
+        Raises:
+            ValueError: this process is not a member (as Horovod's), or hora is not initialized.
+        """
         my_rank = self._bound_rank()
         if my_rank is None:
             return None
-        return self.ranks.index(my_rank) if my_rank in self.ranks else -1
+        if my_rank not in self.ranks:
+            raise ValueError(
+                f"Rank {my_rank} is not a member of process set {self.process_set_id} (ranks "
+                f"{self.ranks}), so it has no rank in it; check process_set.included() first."
+            )
+        return self.ranks.index(my_rank)
 
     def included(self) -> bool | None:
         """Whether this process is a member.

@@ -84,10 +84,12 @@ def bind_initial(
 
 
 def unbind_all(current: Session) -> None:
-    """The session ends: the sets it registered lose their ids (the global set keeps its)."""
+    """The session ends: the sets it registered lose their ids; the global set keeps its, and
+    its queries raise until the next ``init``, as Horovod's do."""
     for process_set in current.process_sets.values():
         if process_set is not global_process_set:
             process_set._unbind()
+    global_process_set._suspend()
     current.process_sets = {}
 
 

@@ -39,10 +39,14 @@ def _set_ops(
 
 
 def _describe(process_set: Any) -> dict[str, Any]:
+    """The set's answers; a non-member's ``rank()`` raises, and gives its error instead."""
+    rank: Any = error_of(process_set.rank)
+    if rank is None:
+        rank = process_set.rank()
     return {
         "id": process_set.process_set_id,
         "size": process_set.size(),
-        "rank": process_set.rank(),
+        "rank": rank,
         "included": process_set.included(),
     }
 
@@ -117,6 +121,16 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
             )
         hvd.remove_process_set(members)
     hvd.shutdown()
+    # As Horovod's: the global set's queries raise once hora is shut down.
+    out["global_after_shutdown"] = [
+        error_of(query)
+        for query in (
+            hvd.global_process_set.size,
+            hvd.global_process_set.rank,
+            hvd.global_process_set.included,
+        )
+    ]
+    out["global_id_after_shutdown"] = hvd.global_process_set.process_set_id
     return out
 
 
@@ -154,12 +168,12 @@ def test_static_set_runs_collectives_among_its_members(job: Any) -> None:
     np, ranks = job
     members = list(range(np - 1))
     for rank, observed in enumerate(ranks):
-        assert observed["static"] == {
-            "id": 1,
-            "size": np - 1,
-            "rank": rank if rank in members else -1,
-            "included": rank in members,
-        }
+        described = dict(observed["static"])
+        if rank in members:
+            assert described.pop("rank") == rank
+        else:
+            assert_raised(described.pop("rank"), ValueError, f"Rank {rank} is not a member")
+        assert described == {"id": 1, "size": np - 1, "included": rank in members}
     _check_set_ops(np, ranks, "static_ops", members, root=members[-1])
 
 
@@ -193,6 +207,15 @@ def test_non_member_gets_value_error_naming_its_rank(job: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_global_set_queries_raise_after_shutdown(job: Any) -> None:
+    _, ranks = job
+    for observed in ranks:
+        for error in observed["global_after_shutdown"]:
+            assert_raised(error, ValueError, "hvd.init()")
+        assert observed["global_id_after_shutdown"] == 0
+
+
+@pytest.mark.timeout(120)
 def test_global_set_still_works_alongside_sets(job: Any) -> None:
     np, ranks = job
     for observed in ranks:
@@ -206,7 +229,10 @@ def test_dynamic_set_takes_a_global_root_rank(job: Any) -> None:
     members = list(range(1, np))
     for rank, observed in enumerate(ranks):
         assert observed["dynamic"]["size"] == np - 1
-        assert observed["dynamic"]["rank"] == (rank - 1 if rank else -1)
+        if rank:
+            assert observed["dynamic"]["rank"] == rank - 1
+        else:
+            assert_raised(observed["dynamic"]["rank"], ValueError, "Rank 0 is not a member of")
     _check_set_ops(np, ranks, "dynamic_ops", members, root=np - 1)
 
 
