@@ -24,7 +24,9 @@ pytest.importorskip("tensorboard")
 pytest.importorskip("prometheus_client")
 
 
-def _train(steps: int, log: bool) -> dict[str, Any]:
+def _train(steps: int, log: bool, sharded: bool = False) -> dict[str, Any]:
+    """``steps`` steps of a small model; ``sharded``: with ZeRO stage 2 (the gradients are
+    reduce-scattered and the parameters allgathered, no allreduce)."""
     import torch
     import torch.nn.functional as F
 
@@ -34,8 +36,11 @@ def _train(steps: int, log: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     # Gradients of 1 KiB and less ride in the negotiation exchange; the 2 KiB weight does not.
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    shards = {"shard_optimizer_state": True, "shard_gradients": True} if sharded else {}
     optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        **shards,
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     generator = torch.Generator().manual_seed(hvd.rank())
@@ -98,6 +103,17 @@ def test_a_two_rank_job_writes_tensorboard_scalars_per_rank_and_step(tmp_path: P
         rates = zip(value["hora/samples_per_s"], value["hora/step_time_ms"])
         assert all(r == pytest.approx(BATCH / (t / 1000), rel=1e-3) for r, t in rates)
         assert value["loss"] == pytest.approx(result["losses"], rel=1e-6)
+
+
+@pytest.mark.timeout(150)
+def test_sharded_gradients_count_as_reduced_bytes(tmp_path: Path) -> None:
+    directory = tmp_path / "metrics"
+    env = {"HORA_METRICS": f"tensorboard:{directory}"}
+    results = run_job(_train, 2, STEPS, True, True, env=env)
+    for rank, result in enumerate(results):
+        value = [v for _, v in _scalars(directory / f"rank{rank}")["hora/reduced_bytes"]]
+        # The broadcast parameters' allgather of the first step is no reduction.
+        assert value == [result["grad_bytes"]] * STEPS
 
 
 def _free_port_pair() -> int:

@@ -24,8 +24,8 @@ class Totals:
     """The counters' values at one moment, each counted from the engine's start.
 
     Attributes:
-        reduced_bytes: bytes of allreduce results (fused batches, steady-state batches,
-            allreduces carried in the negotiation exchange).
+        reduced_bytes: bytes reduced: allreduce results (fused batches, steady-state batches,
+            allreduces carried in the negotiation exchange) and reducescatter inputs.
         batches: collectives run (a fused batch of many tensors counts once).
         tensors: tensors in those collectives.
         negotiation_s: time the engine thread spent in negotiation exchanges.
@@ -65,8 +65,8 @@ class Counters:
         return time.perf_counter()
 
     def collective(self, issued: float, done: float, nbytes: int, tensors: int) -> None:
-        """A collective that ran from ``issued`` to ``done``; ``nbytes`` of allreduce results
-        (0 for other collectives) for ``tensors`` tensors."""
+        """A collective over ``tensors`` tensors that ran from ``issued`` to ``done``, having
+        reduced ``nbytes`` (allreduce results, reducescatter inputs; 0 for other collectives)."""
         with self._lock:
             self._batches += 1
             self._tensors += tensors

@@ -255,8 +255,11 @@ class Cycle:
         executor.execute(run)
         tracer.close()
         if not executor.traces_itself:
-            # Allreduces count themselves when they complete; these ran synchronously here.
-            self._counters.collective(issued, self._counters.now(), 0, len(entries))
+            # Allreduces count themselves when they complete; these ran synchronously here. A
+            # reducescatter reduces its inputs (a sharded optimizer's gradients) as an
+            # allreduce would.
+            reduced = head.num_bytes if head.kind == RequestType.REDUCESCATTER else 0
+            self._counters.collective(issued, self._counters.now(), reduced, len(entries))
         if not executor.traces_itself and tracer.timeline is not None:
             end = tracer.now()
             tracer.collective(

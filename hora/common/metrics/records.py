@@ -36,7 +36,7 @@ class StepTiming:
         comm_s: time in which at least one collective was running.
         overlap_s: the part of ``comm_s`` inside backward (first to last gradient); 0 when no
             ``DistributedOptimizer`` reported a backward pass.
-        reduced_bytes: bytes of allreduce results.
+        reduced_bytes: bytes reduced: allreduce results and reducescatter inputs.
         batches: collectives run (a fused batch counts once).
         tensors: tensors in those collectives.
         negotiation_s: time in negotiation exchanges.

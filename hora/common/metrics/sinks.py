@@ -82,7 +82,7 @@ METRICS: tuple[Metric, ...] = (
            "the part of communication time inside backward (first to last gradient)",
            lambda t: t.overlap_s * 1000, lambda t: t.overlap_s),
     Metric("hora/reduced_bytes", "hora_reduced_bytes", True,
-           "bytes of allreduce results (gradients: their size in their dtype)",
+           "bytes reduced by allreduce and reducescatter (gradients: their size in their dtype)",
            lambda t: float(t.reduced_bytes), lambda t: float(t.reduced_bytes)),
     Metric("hora/fusion_batches", "hora_fusion_batches", True,
            "collectives run; a fused batch of many tensors counts once",
