@@ -61,8 +61,6 @@ class Session:
         grouped_calls: recent named grouped calls' requests, reused while their tensors stay
             alike (at most :data:`GROUPED_CALLS_KEPT`).
         object_calls: numbers the object collectives called without a name.
-        traced_calls: how many unnamed collectives of each kind were traced into TensorFlow
-            graphs (they are named when traced, in program order on every rank).
     """
 
     engine: Engine
@@ -77,7 +75,6 @@ class Session:
     unnamed_calls: dict[int, int] = field(default_factory=dict)
     grouped_calls: dict[tuple[Any, ...], GroupedEntry] = field(default_factory=dict)
     object_calls: itertools.count[int] = field(default_factory=itertools.count)
-    traced_calls: dict[str, int] = field(default_factory=dict)
     _naming: threading.Lock = field(default_factory=threading.Lock)
 
     def unnamed_call_number(self, set_id: int) -> int:
@@ -85,13 +82,6 @@ class Session:
         with self._naming:
             count = self.unnamed_calls.get(set_id, 0) + 1
             self.unnamed_calls[set_id] = count
-            return count
-
-    def traced_call_number(self, kind: str) -> int:
-        """The number of this unnamed ``kind`` collective among those traced (from 1)."""
-        with self._naming:
-            count = self.traced_calls.get(kind, 0) + 1
-            self.traced_calls[kind] = count
             return count
 
 

@@ -20,6 +20,7 @@ TensorFlow runs on a thread of its own, where hora submits and waits.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +43,6 @@ from torch.utils import dlpack as _torch_dlpack
 from hora.common import basics
 from hora.common.errors import HoraInternalError, HoraValueError
 from hora.common.process_sets import ProcessSet
-from hora.common.runtime import session
 
 # torch's stubs do not export to_dlpack.
 torch_dlpack: Any = _torch_dlpack
@@ -95,44 +95,55 @@ _GRAPH_NAMES = {
 }
 
 
-def session_graph() -> tf.Graph | None:
-    """The ``tf.compat.v1`` graph being built for a session; ``None`` eagerly and while a
-    ``tf.function`` is traced.
+def enclosing_graph() -> tf.Graph:
+    """The graph being built: a ``tf.compat.v1`` graph or a ``tf.function``'s.
 
     A ``tf.cond`` branch or ``tf.while_loop`` body (control flow v2) is a function graph of its
     own, run as part of the graph around it: inside one, the answer is the graph around it.
     """
-    if tf.executing_eagerly():
-        return None
     graph = tf.compat.v1.get_default_graph()
     while getattr(graph, "is_control_flow_graph", False):
         graph = graph.outer_graph
+    return graph
+
+
+def session_graph() -> tf.Graph | None:
+    """The ``tf.compat.v1`` graph being built for a session; ``None`` eagerly and while a
+    ``tf.function`` is traced."""
+    if tf.executing_eagerly():
+        return None
+    graph = enclosing_graph()
     return None if graph.building_function else graph
 
 
 def graph_name(name: str | None, kind: str, process_set: ProcessSet) -> str | None:
-    """The name of a collective, fixed now: eagerly ``name``; while a ``tf.function`` is
-    traced, ``name`` or a number; in a ``tf.compat.v1`` graph, its place in the graph.
+    """The name of a collective, fixed now: eagerly ``name``; in a graph (a ``tf.function``
+    being traced, or a ``tf.compat.v1`` graph), ``name`` or its place in the graph.
 
     In a ``tf.compat.v1`` graph built after ``hvd.init()``, ``process_set`` must be registered
     when the op is built (its id is part of the op, as in Horovod); otherwise this raises
     :class:`HoraTensorFlowValueError` now, not when a session runs the op.
 
-    Eagerly an unnamed collective is numbered when it runs (as in PyTorch). In a graph, ops
-    without a data dependency may run in any order, and an op runs once per step, so its name is
-    fixed when it is built. A ``tf.function`` runs its collectives in program order: an unnamed
-    one is numbered once, while tracing (in program order on every rank), which keeps the names
-    equal across ranks and steps. A session runs a step's independent ops in any order: there,
-    as in Horovod, a collective is named like an op of the graph, ``name`` (default
-    ``Hora<Kind>``) under the current name scope, made unique in the graph
-    (``tower_1/HoraAllreduce_2``), which every rank that builds the same graph derives alike.
+    Eagerly an unnamed collective is numbered when it runs (as in PyTorch). In a graph an op
+    runs once per step, so its name is fixed when it is built, and, as in Horovod, an unnamed
+    collective is named like an op of the graph: ``Hora<Kind>`` under the current name scope,
+    made unique in the graph (``tower_1/HoraAllreduce_2``), which every rank that builds the
+    same graph derives alike. A ``tf.function``'s names are those of its own graph, after the
+    function's name (``train_step/HoraAllreduce_1``): a rank that traces the function again (for
+    an input of another shape, say) gives its collectives the same names as before, so they
+    still meet the other ranks'.
     """
     if tf.executing_eagerly():
-        # The engine puts the kind in front: "allreduce.graph.1".
         return name
     graph = session_graph()
     if graph is None:
-        return name if name is not None else f"graph.{session().traced_call_number(kind)}"
+        if name is not None:
+            return name
+        function = enclosing_graph()
+        # TensorFlow names the graphs it makes for gradients after a process-wide count
+        # ("__backward_train_step_123"), which may differ between ranks: not that count.
+        prefix = re.sub(r"_\d+$", "", function.name)
+        return f"{prefix}/{function.unique_name(_GRAPH_NAMES[kind])}"
     set_id = process_set.process_set_id
     if basics.is_initialized() and (
         set_id is None or not basics.engine().process_sets.contains(set_id)

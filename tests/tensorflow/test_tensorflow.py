@@ -101,7 +101,25 @@ def _in_function(hvd: Any, tf: Any) -> dict[str, Any]:
         total, rows, root, rank = step(tf.constant([float(r + k), 1.0]))
         runs.append([total.numpy().tolist(), rows.numpy().tolist(), root.numpy().tolist(),
                      int(rank)])  # fmt: skip
-    return {"runs": runs}
+
+    @tf.function
+    def summed(a: Any) -> Any:
+        return hvd.allreduce(tf.fill([2], tf.reduce_sum(a)), op=hvd.Sum)
+
+    # Rank 0 alone traces the function again for its second input's shape; the collective's
+    # name comes from its place in the function, so it still meets the others'.
+    retraced = [summed(tf.ones([2])).numpy().tolist()]
+    retraced.append(summed(tf.ones([3 if r == 0 else 2])).numpy().tolist())
+    # TensorFlow names a function's gradient graph after a process-wide count, which the
+    # functions rank 0 alone builds here move on.
+    if r == 0:
+        for k in range(3):
+            tf.function(lambda x: x * 2)(tf.constant(float(k)))
+    variable = tf.Variable([1.0 + r, 2.0])
+    with tf.GradientTape() as tape:
+        squares = tf.reduce_sum(summed(variable * variable))
+    backward = tape.gradient(squares, variable).numpy().tolist()
+    return {"runs": runs, "retraced": retraced, "backward": backward}
 
 
 def _gradients(hvd: Any, tf: Any) -> dict[str, Any]:
@@ -458,6 +476,9 @@ def test_collectives_inside_tf_function_are_right_at_every_call(ranks: list[Any]
             assert rows == [[float(q + k), 1.0] for q in range(n)]
             assert root == [float(k), 1.0]
             assert rank == r
+        assert seen["function"]["retraced"] == [[2.0 * n] * 2, [2.0 * n + 1] * 2]
+        # d/dv of sum(allreduce(fill(sum(v * v)))): the sum of 2 x 2v over the ranks.
+        assert seen["function"]["backward"] == [4.0 * n * (1.0 + r), 8.0 * n]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
