@@ -41,9 +41,10 @@ included. Forward, backward and ``step()`` each end with ``torch.cuda.synchroniz
 step's time covers the GPU's work. It starts one worker per visible GPU unless ``--np`` says
 otherwise, and compares what the workers' GPUs allow:
 
-- one GPU per worker (``--np 1`` included): DDP over a default group on NCCL (``device_ids=[gpu]``; the CPU tensors of
-  the timing gather go over Gloo) and hora over its NCCL data path (``HORA_GPU_OPERATIONS=nccl``
-  unless the environment sets it). Goal: hora's throughput >= 1.0x DDP's;
+- one GPU per worker (``--np 1`` included): DDP over a default group on NCCL
+  (``device_ids=[gpu]``; the CPU tensors of the timing gather go over Gloo) and hora over its
+  NCCL data path (``HORA_GPU_OPERATIONS=nccl`` unless the environment sets it). Goal: hora's
+  throughput >= 1.0x DDP's;
 - more workers than GPUs (say ``--np 2`` on one GPU): NCCL cannot put two ranks on one GPU, so
   DDP runs over Gloo, which stages CUDA tensors through host memory, and hora sends them through
   host memory too (it finds the shared GPU itself). Goal: hora's throughput >= 1.0x DDP's.
@@ -76,6 +77,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hora
 import hora.torch as hvd
+from hora.common import basics
 from hora.common.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
@@ -708,14 +710,6 @@ def worker_device(device_type: str) -> tuple[torch.device, bool]:
     return harness.local_gpu(), hvd.local_size() > torch.cuda.device_count()
 
 
-def hora_gpu_path() -> str:
-    """The path that hora's CUDA tensors took in the global set: NCCL, or host memory."""
-    from hora.common import basics
-
-    engine: Any = basics.engine()
-    return "nccl" if engine._device_communicators else "host"
-
-
 def device_label(device: torch.device, shared: bool, path: str | None) -> str:
     """How the report names the device (nothing on the CPU, as before ``--device``)."""
     if device.type != "cuda":
@@ -768,7 +762,7 @@ def worker(args: argparse.Namespace) -> None:
             bench_model(MODELS[name], args, timer, rank, size, device) for name in args.models
         ],
     }
-    path = hora_gpu_path() if device.type == "cuda" else None
+    path = basics.gpu_data_path() if device.type == "cuda" else None
     results["hora_gpu_path"] = path
     results["device_label"] = device_label(device, shared, path)
     harness.report(results, started, rank, format_table, args.json)

@@ -82,6 +82,16 @@ def data_path(process_set_id: int = 0) -> str:
     return engine().data_path(process_set_id)
 
 
+def gpu_data_path(process_set_id: int = 0) -> str:
+    """The path a process set's CUDA tensors took: ``nccl`` once they went over NCCL, else
+    ``host`` (host memory, with ``HORA_GPU_OPERATIONS=host`` or ranks sharing a GPU).
+
+    Raises:
+        ValueError: ``init`` has not been called.
+    """
+    return engine().gpu_data_path(process_set_id)
+
+
 def negotiation_path() -> str:
     """The path negotiation's exchanges take (``shm`` or ``gloo``, ``mpi``)."""
     return engine().data_path(-1)

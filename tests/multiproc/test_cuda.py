@@ -313,24 +313,17 @@ def _sync_batch_norm(device: Any) -> dict[str, float]:
     return differences
 
 
-def _data_path() -> str:
-    """Whether the global set's CUDA tensors went over NCCL or through host memory."""
-    from hora.common import basics
-
-    engine: Any = basics.engine()
-    return "nccl" if engine._device_communicators else "host"
-
-
 def _cuda_worker() -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
+    from hora.common import basics
     from hora.tools.synthetic_benchmark import pick_device
 
     hvd.init()
     device = pick_device(no_cuda=False)  # GPU local_rank % count, as the examples pick it
     out = _collectives(device)
-    out["path"] = _data_path()
+    out["path"] = basics.gpu_data_path()
     out.update(_side_stream(device))
     out.update(_sparse(device))
     out["sgd"] = _train(device, "sgd", steps=4)

@@ -63,3 +63,17 @@ def test_members_on_one_gpu_are_found_in_groups() -> None:
 def test_a_nccl_group_without_nccl_says_what_to_set_instead() -> None:
     with pytest.raises(TransportError, match="HORA_GPU_OPERATIONS=host"):
         NCCLCommunicator(None, 0, 2, 30.0, torch.device("cuda", 0))
+
+
+@pytest.mark.timeout(60)
+def test_gpu_data_path_is_host_until_a_nccl_group_is_made() -> None:
+    from hora.common import basics
+
+    with pytest.raises(ValueError, match="hvd.init()"):
+        basics.gpu_data_path()
+    hvd.init()
+    try:
+        hvd.allreduce(torch.ones(3), name="cpu_only")
+        assert basics.gpu_data_path() == "host"
+    finally:
+        hvd.shutdown()

@@ -280,11 +280,10 @@ class Engine:
             return self._communicators.control.path
         return self._communicators.of_set(set_id).path
 
-    @property
-    def _device_communicators(self) -> dict[int, Communicator]:
-        """The GPU communicators made so far, by process set (tests/multiproc/test_cuda.py
-        reads it to tell which data path ran)."""
-        return self._communicators.device
+    def gpu_data_path(self, set_id: int = 0) -> str:
+        """Where process set ``set_id``'s CUDA tensors went: ``nccl`` once the set's NCCL
+        group is made, else ``host`` (through host memory and the set's CPU path)."""
+        return "nccl" if set_id in self._communicators.device else "host"
 
     # ----------------------------------------------------------------- user threads
 
