@@ -149,8 +149,9 @@ def graph_name(name: str | None, kind: str, process_set: ProcessSet) -> str | No
         set_id is None or not basics.engine().process_sets.contains(set_id)
     ):
         raise HoraTensorFlowValueError(
-            f"{kind.rstrip('_')}: {process_set} is not registered. Pass it to hvd.init(process_sets=[...]) "
-            "or hvd.add_process_set(...) on every rank before building the graph."
+            f"{kind.rstrip('_')}: {process_set} is not registered. Pass it to "
+            "hvd.init(process_sets=[...]) or hvd.add_process_set(...) on every rank before "
+            "building the graph."
         )
     # The outermost graph's names: unique across cond branches and loop bodies too.
     unique: str = graph.unique_name(name if name is not None else _GRAPH_NAMES[kind])

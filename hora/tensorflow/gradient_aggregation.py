@@ -10,10 +10,10 @@ not with these.
 
 Both work eagerly, inside ``tf.function`` and in ``tf.compat.v1`` graphs run by a session (the
 latter is how hora's ``DistributedOptimizer`` aggregates for a ``tf.compat.v1.train``
-optimizer). The sums live in ``tf.Variable`` objects made once, outside any function being traced (``tf.init_scope``), one
-per gradient position; the call that reaches ``backward_passes_per_step`` hands the sums to
-``allreduce_func`` and zeroes them, and the choice is a ``tf.cond``, so every rank runs the
-same collectives in the same order. They differ as Horovod's do in what the other calls return:
+optimizer). The sums live in ``tf.Variable`` objects made once, outside any function being
+traced (``tf.init_scope``), one per gradient position; the call that reaches
+``backward_passes_per_step`` hands the sums to ``allreduce_func`` and zeroes them, and the
+choice is a ``tf.cond``, so every rank runs the same collectives in the same order. They differ as Horovod's do in what the other calls return:
 the helper gives back the gradients it was given, the eager helper the sums so far.
 
 Each call of ``compute_gradients`` must pass the gradients in the same positions (the same
