@@ -205,25 +205,26 @@ def test_no_segment_is_left_in_dev_shm_and_a_killed_makers_is_swept() -> None:
             "-c",
             "import sys, time; sys.path.insert(0, sys.argv[1]); "
             "from hora.common.transport.shm_segment import Segment; "
-            "Segment.create('hora-stale-test', 2, 1 << 16); print('made', flush=True); "
+            "s = Segment.create('stale-test', 2, 1 << 16); print(s.file.name, flush=True); "
             "time.sleep(60)",
             str(Path(__file__).resolve().parents[2]),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert maker.stdout is not None and maker.stdout.readline().strip() == "made"
+    assert maker.stdout is not None
+    name = maker.stdout.readline().strip()
     os.kill(maker.pid, signal.SIGKILL)
     maker.wait()
-    assert "hora-stale-test" in _segments()
+    assert name in _segments()
     run_job(_every_path, 2)  # the next segment's maker sweeps what dead makers left
-    assert "hora-stale-test" not in _segments()
+    assert name not in _segments()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 def test_another_user_cannot_open_a_segment() -> None:
-    segment = Segment.create("hora-other-user-test", 2, 1 << 16)
+    segment = Segment.create("other-user-test", 2, 1 << 16)
     try:
         assert os.stat(segment.path).st_mode & 0o777 == 0o600
         python = shutil.which("python3", path="/usr/bin:/bin")
@@ -285,7 +286,7 @@ def test_wrapping_counters_compare_in_order() -> None:
 def test_the_launcher_reads_the_creator_where_segments_write_it() -> None:
     from hora.common.job import shm_names
 
-    segment = Segment.create("hora-layout-test", 2, 1 << 16)
+    segment = Segment.create("layout-test", 2, 1 << 16)
     try:
         with open(segment.path, "rb") as handle:
             header = handle.read(shm_names.LINE * 2)
@@ -293,7 +294,7 @@ def test_the_launcher_reads_the_creator_where_segments_write_it() -> None:
             header[shm_names.CREATOR_OFFSET : shm_names.CREATOR_OFFSET + 4], "little"
         )
         assert creator == os.getpid()
-        assert not shm_names.stale(segment.path)
+        assert not shm_names.leftover(segment.path)
     finally:
         segment.unlink()
         segment.close()
@@ -301,12 +302,10 @@ def test_the_launcher_reads_the_creator_where_segments_write_it() -> None:
 
 LEAVES_A_SEGMENT = """
 import os, signal
-from hora.common.job.shm_names import job_prefix
 from hora.common.transport.shm_segment import Segment
 
-name = job_prefix(os.environ["HORA_SECRET_KEY"]) + "killed-maker"
-Segment.create(name, 2, 1 << 16)
-print("made " + name, flush=True)
+segment = Segment.create(os.environ["HORA_SECRET_KEY"], 2, 1 << 16)
+print("made " + segment.file.name, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -8,8 +8,10 @@ reports whether that worked, and every member reads every report, so that all of
 the same path for the set: shared memory only where every group's segment works, and the
 reason otherwise. A group's creator unlinks the segment's name once its group has attached.
 
-Segment names are derived from the job secret and the set's scope, so another user cannot
-guess them (and could not open them: mode ``0600``).
+Segment names are fresh random ones under the job's prefix, published with the file's device
+and inode through the store (signed with the job secret): another user can neither know a name
+in advance nor slip another file under it (:mod:`.shm_files`), and could not open the segment
+(mode ``0600``).
 
 This module knows the store, hosts and segments; not collectives.
 """
@@ -22,10 +24,10 @@ import os
 import socket
 from dataclasses import dataclass
 
-from hora.common.job.shm_names import segment_name, sweep
+from hora.common.job.shm_names import sweep
 from hora.common.job.store import StoreClient
 from hora.common.transport import TransportError
-from hora.common.transport.shm_segment import Segment, SegmentError, supported
+from hora.common.transport.shm_segment import Segment, SegmentError, SegmentFile, supported
 
 logger = logging.getLogger("hora")
 
@@ -154,25 +156,27 @@ def _join_group(
     space: tuple[int, int],
     timeout_s: float,
 ) -> tuple[Segment | None, str]:
-    name = segment_name(store.secret, scope, group)
+    """Member 0 of the group makes the segment and publishes its file (or why it could not);
+    the others attach to exactly that file."""
     local_rank, local_size = members.index(rank), len(members)
     created_key = f"{scope}/shm-created/{group}"
     if local_rank == 0:
         for path in sweep():
             logger.info("removed %s, left by a process that was killed while making it", path)
         try:
-            segment = Segment.create(name, local_size, *space)
+            segment = Segment.create(store.secret, local_size, *space)
         except SegmentError as exc:
-            store.set_signed(created_key, str(exc).encode() or b"failed")
+            store.set_signed(created_key, json.dumps({"error": str(exc) or "failed"}).encode())
             return None, str(exc)
-        store.set_signed(created_key, b"")
+        store.set_signed(created_key, json.dumps({"file": segment.file.to_json()}).encode())
         return segment, ""
     if not store.wait(created_key, timeout_s):
         return None, f"the segment of this host's group was not made within {timeout_s:g} s"
-    said = store.get_signed(created_key).decode()
-    if said:
-        return None, f"its group's segment could not be made ({said})"
+    said = json.loads(store.get_signed(created_key))
+    if "error" in said:
+        return None, f"its group's segment could not be made ({said['error']})"
     try:
-        return Segment.attach(name, local_rank, local_size, *space), ""
+        found = SegmentFile.from_json(said["file"])
+        return Segment.attach(found, local_rank, local_size, *space), ""
     except SegmentError as exc:
         return None, str(exc)

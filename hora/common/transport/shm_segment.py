@@ -1,16 +1,16 @@
 """A shared-memory segment that the members of one communicator on one host map, and the waits
 between them.
 
-The segment is a file in ``/dev/shm``, mode ``0600`` (only the job's user can open it), under a
-name derived from the job secret (nobody without it can guess it), created by member 0 with
-``O_CREAT | O_EXCL | O_NOFOLLOW`` and its whole size reserved up front (``posix_fallocate``), so
-that a full ``/dev/shm`` is an error at creation rather than a ``SIGBUS`` later. Once every
+The segment is a file in ``/dev/shm``, mode ``0600`` (only the job's user can open it), made by
+member 0 under a fresh random name, with its slots reserved up front (``posix_fallocate``), so
+that a full ``/dev/shm`` is an error at creation rather than a ``SIGBUS`` later; the other
+members prove they opened that very file before they map it (:mod:`.shm_files`). Once every
 member has mapped it, member 0 unlinks the name: nothing is left behind, whatever ends the
 processes (the memory goes with the last mapping).
 
 Layout, in 64-byte lines so that no two writers share a cache line:
 
-- line 0: a header (magic, version, size, slot bytes);
+- line 0: a header (magic, version, members, slot bytes, arena bytes, the nonce of its name);
 - one line per member: its *arrival* counter (the futex word a barrier waits on) and its pid;
 - one line per ordered pair of members: the pair's *post* and *taken* counters (pairwise
   exchanges);
@@ -38,7 +38,6 @@ This module knows bytes, counters and processes; not collectives, tensors' meani
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import platform
@@ -48,7 +47,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hora.common.job.shm_names import LINE, MAGIC, SHM_DIR, VERSION
+from hora.common.job.shm_names import (
+    CREATOR_OFFSET,
+    HEADER_FORMAT,
+    LINE,
+    MAGIC,
+    SHM_DIR,
+    VERSION,
+    new_segment_name,
+    nonce_of,
+)
+from hora.common.transport import shm_files
+from hora.common.transport.shm_files import SegmentError, SegmentFile
+
+__all__ = ["Aborted", "PeerLost", "Segment", "SegmentError", "SegmentFile", "WaitTimeout"]
 
 PAGE = 4096
 # How long a sleeping waiter sleeps between its checks of peers, deadline and abort.
@@ -56,19 +68,12 @@ SLICE_S = 0.02
 # Checks of a counter before a waiter sleeps on it (a few microseconds of spinning).
 SPIN_CHECKS = 64
 
-# The header: magic, version, members, slot bytes, arena bytes.
-_HEADER = "<IIIQQ"
 # Arena buffers start and end at multiples of a page.
 _BLOCK_UNIT = PAGE
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202}
 _WRAP = 1 << 31
-
-
-class SegmentError(OSError):
-    """The segment cannot be made or used here (no ``/dev/shm``, too little space, another
-    user's file, a platform without the guarantees the path needs)."""
 
 
 class PeerLost(RuntimeError):
@@ -144,9 +149,16 @@ class Segment:
     """
 
     def __init__(
-        self, path: str, fd: int, rank: int, size: int, slot_bytes: int, arena_bytes: int = 0
+        self,
+        file: SegmentFile,
+        fd: int,
+        rank: int,
+        size: int,
+        slot_bytes: int,
+        arena_bytes: int = 0,
     ) -> None:
-        self.path = path
+        self.file = file
+        self.path = file.path
         self.rank = rank
         self.size = size
         self.slot_bytes = slot_bytes
@@ -173,65 +185,59 @@ class Segment:
     # ------------------------------------------------------------- making and opening
 
     @classmethod
-    def create(cls, name: str, size: int, slot_bytes: int, arena_bytes: int = 0) -> Segment:
-        """Member 0: a new segment ``name`` in ``/dev/shm``, the space of its slots reserved
-        (the arenas' is reserved as it is used).
+    def create(cls, secret: str, size: int, slot_bytes: int, arena_bytes: int = 0) -> Segment:
+        """Member 0: a new segment of the job with ``secret``, the space of its slots reserved
+        (the arenas' is reserved as it is used). Its :attr:`file` is what the other members
+        need to attach.
 
         Raises:
-            SegmentError: it cannot be created (exists, no space, no ``/dev/shm``).
+            SegmentError: it cannot be made (no room, no ``/dev/shm``); nothing is left behind.
         """
-        path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        total, reserved = total_bytes(size, slot_bytes, arena_bytes), total_bytes(size, slot_bytes)
+        problem = shm_files.room_problem(reserved)
+        if problem:
+            raise SegmentError(problem)
+        name = new_segment_name(secret)
+        header = _header(size, slot_bytes, arena_bytes, nonce_of(name), os.getpid())
+        fd, found = shm_files.create(secret, name, total, reserved, header)
         try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as exc:
-            raise SegmentError(f"cannot create {path}: {exc.strerror or exc}") from None
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, total_bytes(size, slot_bytes, arena_bytes))
-            os.posix_fallocate(fd, 0, total_bytes(size, slot_bytes))
-        except OSError as exc:
+            segment = cls(found, fd, 0, size, slot_bytes, arena_bytes)
+        except (OSError, ValueError, OverflowError) as exc:
             os.close(fd)
-            _unlink(path)
-            raise SegmentError(_space_problem(path, size, slot_bytes, exc)) from None
-        segment = cls(path, fd, 0, size, slot_bytes, arena_bytes)
-        struct.pack_into(_HEADER, segment._map, 0, MAGIC, VERSION, size, slot_bytes, arena_bytes)
+            shm_files.remove(found)
+            raise SegmentError(f"cannot map {found.path}: {exc}") from None
         segment.register_pid()
         return segment
 
     @classmethod
     def attach(
-        cls, name: str, rank: int, size: int, slot_bytes: int, arena_bytes: int = 0
+        cls, found: SegmentFile, rank: int, size: int, slot_bytes: int, arena_bytes: int = 0
     ) -> Segment:
-        """Another member: open member 0's segment ``name`` and check it is the one expected.
+        """Another member: open the segment member 0 published as ``found``, proving it is that
+        file (:func:`.shm_files.open_published`) and laid out as expected.
 
         Raises:
-            SegmentError: it is missing (another host, another ``/dev/shm``), not this user's,
-                or not laid out as expected.
+            SegmentError: it is missing (another host, another ``/dev/shm``), another file than
+                member 0 made (the message names it and its owner), or not of this layout.
         """
-        path = os.path.join(SHM_DIR, name)
+        fd = shm_files.open_published(found, total_bytes(size, slot_bytes, arena_bytes))
         try:
-            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-            info = os.fstat(fd)
-        except OSError as exc:
-            raise SegmentError(f"cannot open {path}: {exc.strerror or exc}") from None
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            segment = cls(found, fd, rank, size, slot_bytes, arena_bytes)
+        except (OSError, ValueError) as exc:
             os.close(fd)
-            raise SegmentError(f"{path} belongs to uid {info.st_uid} or is open to others")
-        if info.st_size != total_bytes(size, slot_bytes, arena_bytes):
-            os.close(fd)
-            raise SegmentError(f"{path} has {info.st_size} bytes, not the expected layout's")
-        segment = cls(path, fd, rank, size, slot_bytes, arena_bytes)
-        found = struct.unpack_from(_HEADER, segment._map, 0)
-        if found != (MAGIC, VERSION, size, slot_bytes, arena_bytes):
+            raise SegmentError(f"cannot map {found.path}: {exc}") from None
+        expected = (MAGIC, VERSION, size, slot_bytes, arena_bytes, nonce_of(found.name))
+        if struct.unpack_from(HEADER_FORMAT, segment._map, 0) != expected:
             segment.close()
-            raise SegmentError(f"{path} is not a hora segment of this layout")
+            raise SegmentError(
+                f"{found.path} is not this job's segment of this layout (its header differs)"
+            )
         segment.register_pid()
         return segment
 
     def unlink(self) -> None:
         """Remove the segment's name (every member has mapped it; the memory stays)."""
-        _unlink(self.path)
+        shm_files.remove(self.file)
 
     def register_pid(self) -> None:
         self._words[_member_word(self.rank, 1)] = os.getpid()
@@ -399,24 +405,9 @@ def total_bytes(size: int, slot_bytes: int, arena_bytes: int = 0) -> int:
     return _control_bytes(size) + size * (slot_bytes + arena_bytes)
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _space_problem(path: str, size: int, slot_bytes: int, exc: OSError) -> str:
-    wanted = total_bytes(size, slot_bytes)
-    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-        free = ""
-        try:
-            stats = os.statvfs(SHM_DIR)
-            free = f" ({stats.f_bavail * stats.f_frsize / 2**20:.0f} MiB free)"
-        except OSError:
-            pass
-        return (
-            f"{SHM_DIR} has no room for {wanted / 2**20:.1f} MiB{free}: make /dev/shm larger "
-            "(docker run --shm-size, a tmpfs size= option) or lower HORA_SHM_SLOT_BYTES"
-        )
-    return f"cannot reserve {wanted} bytes for {path}: {exc.strerror or exc}"
+def _header(size: int, slot_bytes: int, arena_bytes: int, nonce: bytes, creator: int) -> bytes:
+    """The first two lines of a new segment: its header, and member 0's pid in its line."""
+    header = bytearray(LINE * 2)
+    struct.pack_into(HEADER_FORMAT, header, 0, MAGIC, VERSION, size, slot_bytes, arena_bytes, nonce)
+    struct.pack_into("<i", header, CREATOR_OFFSET, creator)
+    return bytes(header)
