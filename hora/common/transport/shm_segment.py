@@ -38,6 +38,7 @@ This module knows bytes, counters and processes; not collectives, tensors' meani
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -100,22 +101,29 @@ def supported() -> str | None:
     return None
 
 
+@functools.cache
+def _syscall() -> Any:
+    """libc's ``syscall``, typed for ``futex(2)``; loaded once per process (loading it costs
+    more than making a segment does)."""
+    function = ctypes.CDLL(None, use_errno=True).syscall
+    function.restype = ctypes.c_long
+    function.argtypes = [
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    return function
+
+
 class _Futex:
     """``futex(2)`` through libc's ``syscall``: wait on and wake a shared 32-bit word."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._syscall = libc.syscall
-        self._syscall.restype = ctypes.c_long
-        self._syscall.argtypes = [
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
+        self._syscall = _syscall()
         self._number = _SYS_FUTEX[platform.machine().lower()]
         self._timeout = (ctypes.c_long * 2)()
 
