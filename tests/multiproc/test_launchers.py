@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 # The job secret every rank gets, exported as docs/security.md asks under these launchers.
-SECRET = "3f" * 32
+SECRET = "3f0c9e5a71d2b8e6" * 4
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -215,7 +215,7 @@ def test_a_job_without_a_secret_does_not_start() -> None:
 @pytest.mark.timeout(120)
 def test_a_secret_file_authenticates_the_job(tmp_path: Path) -> None:
     secret_file = tmp_path / "hora_secret"
-    secret_file.write_text("c4" * 32 + "\n")
+    secret_file.write_text("c4a97e2b05f1d836" * 4 + "\n")
     secret_file.chmod(0o600)
     env = {k: v for k, v in base_env().items() if k != "HORA_SECRET_KEY"}
     env["HORA_SECRET_FILE"] = str(secret_file)
@@ -235,7 +235,7 @@ def test_a_secret_file_gives_mpirun_without_mpi4py_a_random_published_port(
     (predictable); with a secret file, rank 0 listens on a random port and publishes it, signed,
     beside the file."""
     secret_file = tmp_path / "hora_secret"
-    secret_file.write_text("d5" * 32 + "\n")
+    secret_file.write_text("d5e0813fa9c26b74" * 4 + "\n")
     secret_file.chmod(0o600)
     env = {k: v for k, v in base_env(HORA_MPI4PY="0").items() if k != "HORA_SECRET_KEY"}
     env["HORA_SECRET_FILE"] = str(secret_file)
@@ -444,7 +444,7 @@ def test_slurm_srun_with_a_secret_file_uses_a_random_port(
     slurm: dict[str, str], tmp_path: Path
 ) -> None:
     secret_file = tmp_path / "hora_secret"
-    secret_file.write_text("e6" * 32 + "\n")
+    secret_file.write_text("e6f19a0d3c58b274" * 4 + "\n")
     secret_file.chmod(0o600)
     env = {k: v for k, v in slurm.items() if k != "HORA_SECRET_KEY"}
     env["HORA_SECRET_FILE"] = str(secret_file)

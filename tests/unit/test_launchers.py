@@ -24,6 +24,10 @@ from hora.common.job.launchers import (
 from hora.common.job.store import StoreClient
 from hora.common.job.topology import Topology, TopologyError, detect
 
+# Job secrets of the form hora accepts (as secrets.token_hex(32) makes them).
+SECRET = "0f1e2d3c4b5a69788796a5b4c3d2e1f0" * 2
+OTHER = "a1b2c3d4e5f60718293a4b5c6d7e8f90" * 2
+
 
 def torchrun_env(rank: int, size: int = 4, nproc: int = 2, agent_store: bool = True) -> dict:
     return {
@@ -129,7 +133,7 @@ def test_horarun_variables_are_read_as_before() -> None:
         "HORA_LOCAL_SIZE": "2",
         "HORA_RENDEZVOUS_ADDR": "127.0.0.1",
         "HORA_RENDEZVOUS_PORT": "1234",
-        "HORA_SECRET_KEY": "ab" * 32,
+        "HORA_SECRET_KEY": SECRET,
         # A one-task srun step around horarun: srun started horarun, not the workers.
         **slurm_env(0, "1", 0, 0, 1),
     }
@@ -137,7 +141,7 @@ def test_horarun_variables_are_read_as_before() -> None:
     assert topology.source == "horarun"
     assert topology.launch is None and topology.plan is None
     assert (topology.rank, topology.size, topology.rendezvous_port) == (1, 2, 1234)
-    assert topology.authenticated and topology.secret == "ab" * 32
+    assert topology.authenticated and topology.secret == SECRET
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -436,21 +440,21 @@ def test_a_secret_file_gives_the_job_its_secret(tmp_path: Path) -> None:
     from hora.common.job.topology import job_secret
 
     path = tmp_path / "secret"
-    path.write_text("d1" * 32 + "\n")
+    path.write_text(SECRET + "\n")
     path.chmod(0o600)
-    assert job_secret({"HORA_SECRET_FILE": str(path)}) == "d1" * 32
+    assert job_secret({"HORA_SECRET_FILE": str(path)}) == SECRET
     # HORA_SECRET_KEY wins; neither set: no secret.
-    assert job_secret({"HORA_SECRET_FILE": str(path), "HORA_SECRET_KEY": "e2" * 32}) == "e2" * 32
+    assert job_secret({"HORA_SECRET_FILE": str(path), "HORA_SECRET_KEY": OTHER}) == OTHER
     assert job_secret({}) == ""
     topology = detect({**slurm_env(0, "2", 0, 0, 2), "HORA_SECRET_FILE": str(path)})
-    assert topology.secret == "d1" * 32
+    assert topology.secret == SECRET
 
 
 @pytest.mark.parametrize(
     ("mode", "content", "expected"),
     [
-        (0o644, "d1" * 32, "can be read or written by other users (mode 0644): make it private"),
-        (0o620, "d1" * 32, "(mode 0620)"),
+        (0o644, SECRET, "can be read or written by other users (mode 0644): make it private"),
+        (0o620, SECRET, "(mode 0620)"),
         (0o600, "short", "holds 5 characters; a job secret needs at least 32"),
         (None, "", "cannot read it"),
     ],
@@ -486,7 +490,7 @@ def test_a_secret_file_in_a_directory_others_can_write_is_refused(
     shared = tmp_path / "shared"
     shared.mkdir()
     path = shared / "secret"
-    path.write_text("d1" * 32)
+    path.write_text(SECRET)
     path.chmod(0o600)
     shared.chmod(directory_mode)
     with pytest.raises(
@@ -496,7 +500,7 @@ def test_a_secret_file_in_a_directory_others_can_write_is_refused(
     assert f"(mode {directory_mode:04o})" in str(info.value)
     assert "mkdir -m 700 ~/.hora" in str(info.value)
     shared.chmod(0o755)
-    assert job_secret({"HORA_SECRET_FILE": str(path)}) == "d1" * 32
+    assert job_secret({"HORA_SECRET_FILE": str(path)}) == SECRET
 
 
 @pytest.mark.parametrize("key", ["abc", "x" * 31])
@@ -507,4 +511,35 @@ def test_a_short_secret_key_is_refused_as_a_short_secret_file_is(key: str) -> No
         job_secret({"HORA_SECRET_KEY": key})
     with pytest.raises(TopologyError, match="needs at least 32"):
         detect({**slurm_env(0, "2", 0, 0, 2), "HORA_SECRET_KEY": key})
-    assert job_secret({"HORA_SECRET_KEY": "x" * 32}) == "x" * 32
+    assert job_secret({"HORA_SECRET_KEY": SECRET[:32]}) == SECRET[:32]
+
+
+# Long but guessable: one character repeated, whitespace, a short word or two letters repeated.
+WEAK = ["a" * 32, " " * 32, " \t\n" * 16, "ab" * 32, "password" * 4, "0123456" * 6]
+
+
+@pytest.mark.parametrize("key", WEAK)
+def test_a_weak_secret_key_is_refused_as_a_short_one_is(key: str) -> None:
+    from hora.common.job.topology import job_secret
+
+    with pytest.raises(TopologyError, match=f"HORA_SECRET_KEY holds {len(key)} characters") as info:
+        job_secret({"HORA_SECRET_KEY": key})
+    message = str(info.value)
+    assert "a job secret needs at least 32 characters, 8 or more of them different" in message
+    assert "secrets.token_hex(32)" in message
+    with pytest.raises(TopologyError, match="8 or more of them different"):
+        detect({**slurm_env(0, "2", 0, 0, 2), "HORA_SECRET_KEY": key})
+    # Eight different characters are enough.
+    assert job_secret({"HORA_SECRET_KEY": "abcdefgh" * 4}) == "abcdefgh" * 4
+
+
+@pytest.mark.parametrize("content", [*WEAK, " " * 40 + "\n"])
+def test_a_weak_secret_file_is_refused_as_a_weak_key_is(tmp_path: Path, content: str) -> None:
+    from hora.common.job.topology import job_secret
+
+    path = tmp_path / "secret"
+    path.write_text(content)
+    path.chmod(0o600)
+    with pytest.raises(TopologyError, match=f"HORA_SECRET_FILE={path} holds ") as info:
+        job_secret({"HORA_SECRET_FILE": str(path)})
+    assert "a job secret needs at least 32 characters, 8 or more of them" in str(info.value)

@@ -102,7 +102,15 @@ class Topology:
 
 # The shortest secret hora accepts, in every form: 32 characters (``secrets.token_hex(16)``).
 MIN_SECRET_CHARS = 32
+# The fewest different characters it accepts: 'a' * 32, 32 spaces or "password" * 4 are long
+# but guessable. A random hex secret has fewer by chance once in 3e7 draws of 32 characters
+# (``token_hex(16)``), once in 1e19 of 64 (``token_hex(32)``, what hora makes).
+MIN_SECRET_DISTINCT = 8
 _MAKE_ONE = "python3 -c 'import secrets; print(secrets.token_hex(32))' makes one"
+_RULE = (
+    f"a job secret needs at least {MIN_SECRET_CHARS} characters, {MIN_SECRET_DISTINCT} or more "
+    "of them different and not all whitespace"
+)
 
 
 def job_secret(env: Mapping[str, str]) -> str:
@@ -110,29 +118,37 @@ def job_secret(env: Mapping[str, str]) -> str:
     ``""`` when neither is set.
 
     Raises:
-        TopologyError: the secret is shorter than :data:`MIN_SECRET_CHARS`; or the file is
-            missing, not a regular file of this user, readable or writable by others, or lies in
-            a directory that others can write.
+        TopologyError: the secret is shorter than :data:`MIN_SECRET_CHARS` or weak (fewer than
+            :data:`MIN_SECRET_DISTINCT` different characters, or only whitespace); or the file
+            is missing, not a regular file of this user, readable or writable by others, or
+            lies in a directory that others can write.
     """
     secret = raw(table.SECRET_KEY, env) or ""
     path = raw(table.SECRET_FILE, env) or ""
     if secret:
-        _check_length(secret, table.SECRET_KEY.env)
+        _check_strength(secret, table.SECRET_KEY.env)
         return secret
     if not path:
         return ""
     path = os.path.expanduser(path)
     secret = _read_secret_file(path).decode(errors="replace").strip()
-    _check_length(secret, f"HORA_SECRET_FILE={path}")
+    _check_strength(secret, f"HORA_SECRET_FILE={path}")
     return secret
 
 
-def _check_length(secret: str, source: str) -> None:
+def _check_strength(secret: str, source: str) -> None:
+    """Refuse a secret that is short, or long but guessable (one character repeated, only
+    whitespace, a short word repeated), with one message that says how to make a good one."""
+    distinct = len(set(secret))
     if len(secret) < MIN_SECRET_CHARS:
-        raise TopologyError(
-            f"{source} holds {len(secret)} characters; a job secret needs at least "
-            f"{MIN_SECRET_CHARS} ({_MAKE_ONE})."
-        )
+        what = f"{len(secret)} characters"
+    elif not secret.strip():
+        what = f"{len(secret)} characters, all whitespace"
+    elif distinct < MIN_SECRET_DISTINCT:
+        what = f"{len(secret)} characters but only {distinct} different"
+    else:
+        return
+    raise TopologyError(f"{source} holds {what}; {_RULE} ({_MAKE_ONE}).")
 
 
 def _read_secret_file(path: str) -> bytes:
