@@ -11,6 +11,7 @@ tests/unit/test_safe_files.py.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -41,9 +42,7 @@ def shared() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def _plant(shared: Path, names: list[str], target: Path) -> None:
-    """uid nobody makes each name a link to ``target``."""
-    commands = "; ".join(f"ln -s {target} {shared / name}" for name in names)
+def _as_nobody(commands: str) -> None:
     subprocess.run(
         ["/bin/sh", "-c", commands],
         check=True,
@@ -54,6 +53,11 @@ def _plant(shared: Path, names: list[str], target: Path) -> None:
         extra_groups=[],
         timeout=30,
     )
+
+
+def _plant(shared: Path, names: list[str], target: Path) -> None:
+    """uid nobody makes each name a link to ``target``."""
+    _as_nobody("; ".join(f"ln -s {target} {shared / name}" for name in names))
     for name in names:
         assert os.lstat(shared / name).st_uid == NOBODY
 
@@ -172,3 +176,81 @@ def test_a_timeline_tool_output_replaces_a_planted_link(shared: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert precious.read_text() == "keep me\n"
     assert _mine_and_private(shared / "merged.json")
+
+
+# Rank 0 of a job started as `srun` would, four seconds late: the other rank looks for the
+# store's port file before it is published.
+_LATE_RANK_0 = """
+import os, time, torch
+import hora.torch as hvd
+if os.environ["SLURM_PROCID"] == "0":
+    time.sleep(4)
+hvd.init()
+total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum, name="x")
+print("rank", hvd.rank(), "sum", total.item(), flush=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["link", "FIFO"])
+def test_a_secret_file_reached_through_a_link_in_tmp_keeps_its_port_file_private(
+    shared: Path, what: str
+) -> None:
+    """HORA_SECRET_FILE names a link in a directory like /tmp to the real secret in a private
+    directory. uid nobody plants a link or a FIFO where the store's port file would go if it
+    were put beside the link; rank 0 starts late. The port file goes beside the real secret,
+    so the job runs as if nothing were planted: no rank blocks on the FIFO, none reports
+    tampering."""
+    private = shared.parent / "private"
+    private.mkdir(mode=0o700)
+    secret_file = private / "secret"
+    secret_file.write_text(secrets.token_hex(32) + "\n")
+    secret_file.chmod(0o600)
+    link = shared / "hora_secret"
+    link.symlink_to(secret_file)
+    job, step = str(secrets.randbelow(10**9)), "0"
+    planted = f"hora_secret.slurm-{job}.{step}.port"
+    if what == "FIFO":
+        _as_nobody(f"mkfifo -m 666 {shared / planted}")
+    else:
+        _plant(shared, [planted], secret_file)
+    prefixes = ("HORA_", "HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_", "MV2_")
+    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    base |= {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HORA_SECRET_FILE": str(link)}
+    ranks = []
+    for rank in range(2):
+        slurm = {
+            "SLURM_JOB_ID": job,
+            "SLURM_STEP_ID": step,
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_STEP_NODELIST": "localhost",
+        }
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _LATE_RANK_0],
+                env=base | slurm,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = []
+    for process in ranks:
+        try:
+            outputs.append(process.communicate(timeout=60))
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            pytest.fail(f"a rank did not finish in 60 s: {[p.communicate() for p in ranks]}")
+    for rank, (process, (out, err)) in enumerate(zip(ranks, outputs, strict=True)):
+        assert process.returncode == 0, f"rank {rank}:\n{err}"
+        assert f"rank {rank} sum 3.0" in out, f"rank {rank}:\n{out}\n{err}"
+    assert os.lstat(shared / planted).st_uid == NOBODY  # left alone
+    assert sorted(p.name for p in shared.iterdir()) == sorted(["hora_secret", planted])
+    assert [p.name for p in private.iterdir()] == ["secret"]  # rank 0 removed its port file
