@@ -1,5 +1,7 @@
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +193,16 @@ def test_no_import_cycles_between_modules() -> None:
     for module in graph:
         visit(module, module, [module])
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_the_readme_names_the_dependencies_pyproject_declares() -> None:
+    """README.md's "Installing into your own environment" names each of pyproject.toml's
+    dependencies and no other; .ci/bare-install checks that they are all a job needs."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~; \[]", spec, maxsplit=1)[0] for spec in project["dependencies"]}
+    section = (root / "README.md").read_text().split("### Installing into your own environment")[1]
+    sentence = section.split("hora needs", 1)[1].split("(", 1)[0]
+    named = {re.split(r"[<>=]", name, maxsplit=1)[0] for name in re.findall(r"`([^`]+)`", sentence)}
+    assert named == declared
