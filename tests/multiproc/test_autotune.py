@@ -74,3 +74,22 @@ def test_autotune_agrees_across_ranks_and_changes_no_result(tmp_path: Path) -> N
         torch.testing.assert_close(a["params"], b["params"], rtol=1e-5, atol=1e-6)
     rows = log.read_text().splitlines()
     assert len(rows) == 1 + tried + 1 and rows[-1].endswith(",chosen")
+
+
+@pytest.mark.timeout(150)
+def test_a_job_that_ends_before_the_search_says_what_it_found(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "autotune.csv"
+    env = {
+        "HORA_AUTOTUNE": "1",
+        "HORA_AUTOTUNE_LOG": str(log),
+        "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+    }
+    results = run_job(_train, 2, 12, env=env)
+    assert all(not r["done"] and 0 < r["trials"] < len(candidates(128 << 20)) for r in results)
+    rows = log.read_text().splitlines()
+    assert rows[-1].endswith(",best-so-far"), rows
+    err = capfd.readouterr().err
+    assert "autotune did not finish" in err and "settings were tried" in err, err[-2000:]

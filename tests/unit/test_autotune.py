@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hora.common.engine.autotune import Autotuner, Candidate, candidates
 from hora.common.engine.steady.schedule import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
@@ -56,3 +58,33 @@ def test_warmup_steps_are_not_measured() -> None:
     assert tuner.step_finished(9.0) is None and tuner.step_finished(9.0) is None
     assert tuner.step_finished(1.0) is None
     assert tuner.step_finished(3.0) == 2.0
+
+
+def test_a_search_cut_short_logs_the_fastest_so_far_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = tmp_path / "autotune.csv"
+    tuner = Autotuner(128 * MIB, warmup=1, steps=2, log_path=str(log), rank=0)
+    all_candidates = candidates(128 * MIB)
+    times = {all_candidates[0]: 0.030, all_candidates[1]: 0.010}
+    while len(tuner.trials) < 2:
+        local = tuner.step_finished(times[tuner.current])
+        if local is not None:
+            tuner.scored(local, local)
+    with caplog.at_level("WARNING", logger="hora"):
+        tuner.end()
+    rows = log.read_text().splitlines()
+    assert rows[-1].endswith(",best-so-far") and f",{all_candidates[1].bucket_bytes}," in rows[-1]
+    assert "10.000" in rows[-1]
+    assert "autotune did not finish" in caplog.text and "2 of 9 settings" in caplog.text
+    assert "HORA_AUTOTUNE_STEPS_PER_SAMPLE" in caplog.text
+    tuner.end()  # a second end (hvd.shutdown, then exit) writes nothing more
+    assert log.read_text().splitlines() == rows
+
+
+def test_a_finished_search_ends_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tuner = Autotuner(128 * MIB, warmup=0, steps=1, log_path=str(tmp_path / "a.csv"), rank=0)
+    _tune(tuner, {c: 0.01 for c in candidates(128 * MIB)})
+    with caplog.at_level("WARNING", logger="hora"):
+        tuner.end()
+    assert "autotune" not in caplog.text

@@ -79,6 +79,7 @@ class Autotuner:
     _seen: int = 0
     _index: int = 0
     _chosen: Candidate | None = None
+    _ended: bool = False
 
     def __post_init__(self) -> None:
         self._candidates = candidates(self.fusion_threshold_bytes)
@@ -135,6 +136,39 @@ class Autotuner:
             score * 1000,
         )
         return best
+
+    def end(self) -> None:
+        """The job is ending: if the search has not finished, log the fastest setting tried so
+        far (a ``best-so-far`` row on rank 0's CSV, and a warning) so that a run cut short still
+        says what it learned."""
+        if self.done or self._ended:
+            return
+        self._ended = True
+        tried, total = len(self.trials), len(self._candidates)
+        if self.rank == 0:
+            if self.trials:
+                best, score = min(self.trials, key=lambda trial: trial[1])
+                found = (
+                    f"the fastest so far is batches of {best.bucket_bytes} bytes (first "
+                    f"{best.first_bucket_bytes} bytes): {score * 1000:.2f} ms per step"
+                )
+                self._log(0, best, float("nan"), score, "best-so-far")
+            else:
+                found = "no setting was measured"
+            per_candidate = self.warmup + self.steps
+            logger.warning(
+                "autotune did not finish: the job ended after %d of %d settings were tried; %s. "
+                "The search takes about %d steps in all (%d per setting): run more steps, or "
+                "lower HORA_AUTOTUNE_WARMUP_SAMPLES and HORA_AUTOTUNE_STEPS_PER_SAMPLE.",
+                tried,
+                total,
+                found,
+                total * per_candidate,
+                per_candidate,
+            )
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
 
     def _log(
         self, trial: int, candidate: Candidate, local_s: float, slowest_s: float, status: str

@@ -197,6 +197,8 @@ class Engine:
         finished = (self._thread is None or not self._thread.is_alive()) and not (
             self._finisher.is_alive()
         )
+        if self.replay.autotuner is not None and self.intake.failure is None:
+            self.replay.autotuner.end()
         for comm in self._communicators.all():
             # Tear groups down here rather than leave it to interpreter exit.
             if self.intake.failure is not None or not finished:
