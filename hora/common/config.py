@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -53,12 +54,17 @@ def raw(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | 
 
 
 def _parse(variable: Variable[T], text: str) -> T:
+    """``text`` as ``variable``'s kind, and a finite number if a number (no range holds
+    ``inf``: see :class:`~hora.common.settings_table.Bounds`)."""
     try:
-        return variable.kind.parse(text)
-    except ValueError:
+        value = variable.kind.parse(text)
+    except (ValueError, OverflowError):
         raise SettingError(
             f"{variable.names} must be {variable.kind.expected}, got {text!r}."
         ) from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SettingError(f"{variable.names} must be a finite number, got {text!r}.")
+    return value
 
 
 def _lacked(variable: Variable[Any], name: str, value: Any) -> bool:

@@ -11,6 +11,7 @@ Pure data: this module imports nothing of hora, and no third-party package.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -22,18 +23,34 @@ LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 def parse_bool(raw: str) -> bool:
     """``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case); a number > 0 is
-    true. Raises ValueError for anything else."""
+    true. Raises ValueError for anything else (``inf`` and ``nan`` too)."""
     lowered = raw.strip().lower()
     if lowered in ("true", "yes", "on"):
         return True
     if lowered in ("false", "no", "off"):
         return False
-    return int(float(lowered)) > 0
+    return parse_int(lowered) > 0
 
 
 def parse_int(raw: str) -> int:
-    """A whole number, also written as a float (``1e6``). Raises ValueError for anything else."""
-    return int(float(raw))
+    """A whole number, also written as a float (``1e6``; a fraction is cut off). Raises
+    ValueError for anything else, ``inf`` and ``nan`` included."""
+    try:
+        return int(raw)
+    except ValueError:
+        value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(raw)  # int() of it would raise OverflowError, which callers miss
+    return int(value)
+
+
+def parse_number(raw: str) -> float:
+    """A number (``0.5``, ``1e3``; ``inf`` too, which the reader refuses as not finite, see
+    :class:`Bounds`). Raises ValueError for anything else, ``nan`` included."""
+    value = float(raw)
+    if math.isnan(value):
+        raise ValueError(raw)
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,7 +67,7 @@ class Kind(Generic[T]):
 
 
 INTEGER: Kind[int] = Kind("an integer", parse_int)
-NUMBER: Kind[float] = Kind("a number", float)
+NUMBER: Kind[float] = Kind("a number", parse_number)
 BOOLEAN: Kind[bool] = Kind("0 or 1", parse_bool)
 TEXT: Kind[str] = Kind("text", str)
 LEVEL: Kind[str] = Kind("a log level", str.upper)
@@ -74,16 +91,26 @@ def parse_file_mode(raw: str) -> int:
 FILE_MODE_KIND: Kind[int] = Kind("octal permission bits such as 600 or 640", parse_file_mode)
 
 
+def _shown(number: float) -> str:
+    """A bound as messages show it: whole numbers in full (``1099511627776``, not ``1.1e+12``)."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
+
+
 @dataclass(frozen=True)
 class Bounds:
     """The range a number must lie in: ``low <= value`` (``low < value`` when ``low_open``) and
-    ``value <= high``; ``None`` leaves that side open."""
+    ``value <= high``; ``None`` leaves that side open. Only finite numbers lie in a range:
+    hora's numbers are sizes, counts and times that it computes with, and an infinite one
+    overflows there (``timedelta(seconds=inf)``) instead of meaning "never". ``nan`` lies in
+    none."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
 
     def allows(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
         return self.high is None or value <= self.high
@@ -91,12 +118,12 @@ class Bounds:
     def describe(self) -> str:
         """``>= 0``, ``> 0``, ``<= 9``, or ``between 0 and 1``."""
         if self.low is not None and self.high is not None and not self.low_open:
-            return f"between {self.low:g} and {self.high:g}"
+            return f"between {_shown(self.low)} and {_shown(self.high)}"
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.low_open else '>='} {_shown(self.low)}")
         if self.high is not None:
-            parts.append(f"<= {self.high:g}")
+            parts.append(f"<= {_shown(self.high)}")
         return " and ".join(parts)
 
 
@@ -171,6 +198,10 @@ class Variable(Generic[T]):
         """Why ``value`` is out of range or not allowed, or ``None`` when it is fine."""
         if self.choices and value not in self.choices:
             return f"{self.env} must be one of {', '.join(self.choices)}; got {value!r}."
+        if isinstance(value, float) and not math.isfinite(value):
+            rule = f" {self.bounds.describe()}" if self.bounds is not None else ""
+            unit = f" {self.unit}" if self.unit and rule else ""
+            return f"{self.env} must be a finite number{rule}{unit}, got {value!r}."
         if self.bounds is not None and not self.bounds.allows(value):
             unit = f" {self.unit}" if self.unit else ""
             return f"{self.env} must be {self.bounds.describe()}{unit}, got {value!r}."
@@ -178,6 +209,15 @@ class Variable(Generic[T]):
 
 
 _PROFILING = "[docs/profiling.md](profiling.md)"
+# Shared-memory slots and arenas lie on page boundaries (hora/common/transport/shm_segment.py):
+# their sizes are rounded up to a multiple of this.
+SHM_PAGE_BYTES = 4096
+# The largest slot or arena, 1 TiB. Every rank of a host maps every member's slot and arena,
+# so a host's ranks need their number times (slot + arena) of address space (a process has
+# 128 TiB on x86-64), and an arena buffer's offset is kept as a 32-bit count of pages (8 TiB).
+# A size under this limit that /dev/shm has no room for falls back to Gloo and says why; one
+# over it (``1e16``, say) is a typo, refused at ``hvd.init()``.
+SHM_MAX_BYTES = 1 << 40
 # HORA_TIMELINE's value that asks for no file at init, only for hvd.start_timeline() later.
 TIMELINE_DYNAMIC = "DYNAMIC"
 
@@ -340,8 +380,9 @@ SHM_SLOT_BYTES = Variable(
     "SHM_SLOT_BYTES", INTEGER, 16 * 1024 * 1024,
     "Shared memory each rank maps per process set, in bytes (negotiation takes 1 MiB more); "
     "a host's ranks together map this times their number, per set. Collectives larger than a "
-    "slot run in slot-sized chunks.",
-    bounds=Bounds(low=65536), unit="bytes", horovod=False,
+    f"slot run in slot-sized chunks. From `65536` (64 KiB) to `{SHM_MAX_BYTES}` (1 TiB), rounded "
+    f"up to a multiple of {SHM_PAGE_BYTES} (a page).",
+    bounds=Bounds(low=64 * 1024, high=SHM_MAX_BYTES), unit="bytes", horovod=False,
     default_doc="`16777216` (16 MiB)",
 )  # fmt: skip
 SHM_ARENA_BYTES = Variable(
@@ -350,8 +391,9 @@ SHM_ARENA_BYTES = Variable(
     "collectives that repeat (the steady state's fused gradients), which are then reduced "
     "where they lie, without copies. Address space only: pages are reserved as buffers are "
     "made, and they are the memory those buffers would take anyway. A buffer that does not "
-    "fit, or finds /dev/shm full, is made in the process's own memory. `0` turns it off.",
-    bounds=NON_NEGATIVE, unit="bytes", horovod=False,
+    "fit, or finds /dev/shm full, is made in the process's own memory. `0` turns it off. At "
+    f"most `{SHM_MAX_BYTES}` (1 TiB), rounded up to a multiple of {SHM_PAGE_BYTES} (a page).",
+    bounds=Bounds(low=0, high=SHM_MAX_BYTES), unit="bytes", horovod=False,
     default_doc="`1073741824` (1 GiB)",
 )  # fmt: skip
 HIERARCHICAL_ALLREDUCE = Variable(

@@ -10,7 +10,8 @@
   group, as before. Why shared memory was not used is logged once, by the set's first member.
 
 Every member of a set takes the same path: they agree through the job's store
-(:mod:`.local_groups`). Negotiation's control communicator takes a smaller slot.
+(:mod:`.local_groups`). Negotiation's control communicator takes a smaller slot. Slot and arena
+sizes are rounded up to whole pages here, as the segment lays them out page by page.
 
 This module decides and builds; it knows communicators, settings and the store.
 """
@@ -20,13 +21,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from hora.common import settings_table as table
 from hora.common.config import Settings
 from hora.common.job.store import StoreClient
 from hora.common.job.topology import Topology
+from hora.common.settings_table import Variable
 from hora.common.transport import Communicator
 from hora.common.transport.hierarchical import HierarchicalCommunicator
 from hora.common.transport.local_groups import Grouping, group_members, map_segment
 from hora.common.transport.shm import ShmCommunicator
+from hora.common.transport.shm_segment import PAGE
 
 logger = logging.getLogger("hora")
 
@@ -56,6 +60,8 @@ class PathChooser:
         self._store = store
         self._gloo = gloo
         self._told = False
+        self._slot_bytes = whole_pages(settings.shm_slot_bytes, table.SHM_SLOT_BYTES)
+        self._arena_bytes = whole_pages(settings.shm_arena_bytes, table.SHM_ARENA_BYTES)
 
     def communicator(self, scope: str, rank: int, size: int) -> Communicator:
         """The communicator of the set ``scope`` for this member (``rank`` of ``size``)."""
@@ -68,10 +74,10 @@ class PathChooser:
         several_hosts = len(grouping.groups) > 1
         if several_hosts and not self._hierarchical(rank, grouping):
             return self._gloo(scope, rank, size)
-        slot = self._settings.shm_slot_bytes
+        slot = self._slot_bytes
         # Buffers kept for repeated collectives (see ShmCommunicator.arena_buffer): for the
         # data of a set whose members all share this host.
-        arena = 0 if several_hosts else self._settings.shm_arena_bytes
+        arena = 0 if several_hosts else self._arena_bytes
         if scope.endswith("/control") or scope == "control":
             slot, arena = min(slot, CONTROL_SLOT_BYTES), 0
         segment, why = map_segment(self._store, scope, grouping, rank, slot, arena, timeout_s)
@@ -109,3 +115,15 @@ class PathChooser:
         if rank == 0 and not self._told:
             logger.warning("rank %d: %s.", self._topology.rank, message)
             self._told = True
+
+
+def whole_pages(nbytes: int, variable: Variable[int]) -> int:
+    """``nbytes`` rounded up to a multiple of the page: slots and arenas start on page
+    boundaries, and the communicator views slots and half-slots as any dtype (up to 16 bytes
+    wide), which a size such as 65538 would not divide into."""
+    rounded = -(-nbytes // PAGE) * PAGE
+    if rounded != nbytes:
+        logger.debug(
+            "%s=%d is rounded up to %d, a multiple of %d", variable.env, nbytes, rounded, PAGE
+        )
+    return rounded
