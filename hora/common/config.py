@@ -204,6 +204,11 @@ class Settings:
 SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
     declared.name: declared.metadata["variable"] for declared in fields(Settings)
 }
+# The fields every rank must hold alike (their variables are declared ``agreed``): ``hvd.init()``
+# compares them across ranks (:func:`hora.common.transport.builders.agree_on_settings`).
+AGREED_SETTINGS: dict[str, Variable[Any]] = {
+    name: variable for name, variable in SETTINGS_VARIABLES.items() if variable.agreed
+}
 
 
 def start_timeout_s(env: Mapping[str, str] | None = None) -> float:

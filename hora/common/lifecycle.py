@@ -28,6 +28,7 @@ from hora.common.engine import Engine
 from hora.common.job import joining
 from hora.common.job import rounds as elastic
 from hora.common.job.store import StoreClient
+from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, detect
 from hora.common.process_sets import ProcessSet
 from hora.common.registration import (
@@ -39,9 +40,11 @@ from hora.common.registration import (
 from hora.common.runtime import Runtime, Session, runtime
 from hora.common.timeline_control import finish_timeline, open_timeline
 from hora.common.transport.builders import (
+    agree_on_settings,
     cpu_communicators,
     gpu_communicators,
     mpi_job_comm,
+    mpi_library,
     sub_job,
 )
 
@@ -177,7 +180,8 @@ def _join_job(
     state: Runtime, settings: Settings, comm: Any
 ) -> tuple[Topology, StoreClient, int, Any]:
     """Where this process runs, the job's store, the generation of its keys, and the job's MPI
-    communicator (``None`` when MPI plays no part)."""
+    communicator (``None`` when MPI plays no part), once every rank is known to hold the same
+    settings where they must (:func:`agree_on_settings`)."""
     if elastic.active():
         if comm is not None or settings.cpu_operations == "mpi":
             raise ValueError(
@@ -188,19 +192,31 @@ def _join_job(
         # keeps its keys under its own prefix, so every round's scopes start at 0.
         _configure_logging(settings.log_level)
         topology, store = elastic.join()
+        _agree(topology, settings, store, 0)
         return topology, store, 0, None
     topology = detect()
     _configure_logging(settings.log_level)
-    mpi_comm = mpi_job_comm(comm, topology, settings)
+    mpi = mpi_library(comm, topology, settings)
+    mpi_comm = None
     if comm is not None:
+        mpi_comm = mpi_job_comm(comm, mpi)
         topology = sub_job(topology, mpi_comm)
     # Under horarun the store is the launcher's; under other launchers rank 0 (or the
     # launcher) hosts it and local/cross ranks may still need an exchange.
     generation = state.starts
-    topology, store = joining.join(
-        topology, start_timeout_s(), generation, mpi_comm if comm is not None else None
-    )
+    topology, store = joining.join(topology, start_timeout_s(), generation, mpi_comm)
+    _agree(topology, settings, store, generation)
+    if comm is None:
+        # Only now: MPI_Comm_dup waits for every rank, and a rank set to Gloo would never come.
+        mpi_comm = mpi_job_comm(None, mpi)
     return topology, store, generation, mpi_comm
+
+
+def _agree(topology: Topology, settings: Settings, store: StoreClient, generation: int) -> None:
+    """Compare the settings every rank must share, waiting for the other ranks as long as
+    either joining (``HORA_START_TIMEOUT``) or connecting (``HORA_GLOO_TIMEOUT_SECONDS``) may."""
+    timeout_s = max(start_timeout_s(), settings.gloo_timeout_s)
+    agree_on_settings(topology, settings, store, GenerationKeys(generation), timeout_s)
 
 
 def _install_exit_hooks(state: Runtime) -> None:

@@ -157,6 +157,10 @@ class Variable(Generic[T]):
             value of Horovod's that is not among them (``HOROVOD_CPU_OPERATIONS=ccl``): the twin
             then counts as unset, and ``hvd.init()`` names it with this sentence. Without it,
             such a value is an error, as it is under the ``HORA_`` name.
+        agreed: every rank must hold the same value, or the ranks would choose different
+            paths or plan different collectives, and wait for each other in vain;
+            ``hvd.init()`` compares it across ranks
+            (:func:`hora.common.transport.builders.agree_on_settings`).
     """
 
     name: str
@@ -171,6 +175,7 @@ class Variable(Generic[T]):
     also_read: tuple[str, ...] = ()
     table: Table = "settings"
     lacking: str = ""
+    agreed: bool = False
 
     @property
     def env(self) -> str:
@@ -209,6 +214,11 @@ class Variable(Generic[T]):
 
 
 _PROFILING = "[docs/profiling.md](profiling.md)"
+# Said in the meaning of every variable declared ``agreed``.
+_SAME_ON_EVERY_RANK = (
+    "Set it alike on every rank: `hvd.init()` compares it across ranks and stops, naming the "
+    "ranks, where it differs."
+)
 # Shared-memory slots and arenas lie on page boundaries (hora/common/transport/shm_segment.py):
 # their sizes are rounded up to a multiple of this.
 SHM_PAGE_BYTES = 4096
@@ -225,8 +235,8 @@ TIMELINE_DYNAMIC = "DYNAMIC"
 
 FUSION_THRESHOLD = Variable(
     "FUSION_THRESHOLD", INTEGER, 128 * 1024 * 1024,
-    "Largest fused allreduce buffer, in bytes. `0` turns fusion off.",
-    bounds=NON_NEGATIVE, unit="bytes", default_doc="`134217728` (128 MiB)",
+    f"Largest fused allreduce buffer, in bytes. `0` turns fusion off. {_SAME_ON_EVERY_RANK}",
+    bounds=NON_NEGATIVE, unit="bytes", default_doc="`134217728` (128 MiB)", agreed=True,
 )  # fmt: skip
 CYCLE_TIME = Variable(
     "CYCLE_TIME", NUMBER, 1.0,
@@ -244,8 +254,8 @@ CARRY_THRESHOLD = Variable(
 CACHE_CAPACITY = Variable(
     "CACHE_CAPACITY", INTEGER, 1024,
     "Response cache entries: how many repeated ops travel as one bit each. `0` turns the cache "
-    "off.",
-    bounds=NON_NEGATIVE, unit="entries",
+    f"off. {_SAME_ON_EVERY_RANK}",
+    bounds=NON_NEGATIVE, unit="entries", agreed=True,
 )  # fmt: skip
 STALL_CHECK_DISABLE = Variable(
     "STALL_CHECK_DISABLE", BOOLEAN, False, "`1` turns off the stall inspector."
@@ -324,7 +334,8 @@ FILE_MODE = Variable(
 AUTOTUNE = Variable(
     "AUTOTUNE", BOOLEAN, False,
     "`1` tries batch sizes for the steady state online and keeps the fastest; see "
-    "[docs/profiling.md](profiling.md#autotune).",
+    f"[docs/profiling.md](profiling.md#autotune). {_SAME_ON_EVERY_RANK}",
+    agreed=True,
 )  # fmt: skip
 AUTOTUNE_LOG = Variable(
     "AUTOTUNE_LOG", OPTIONAL_TEXT, None, "Rank 0 logs every autotune trial to this CSV file."
@@ -342,12 +353,14 @@ STEADY_STATE = Variable(
     "STEADY_STATE", BOOLEAN, True,
     "Replay a repeating sequence of allreduces (a training step) without negotiating each one; "
     "a deviation falls back to negotiation. `0` negotiates every op. See "
-    "[docs/engine.md](engine.md#the-steady-state-replaying-a-training-step).",
-    horovod=False,
+    "[docs/engine.md](engine.md#the-steady-state-replaying-a-training-step). "
+    f"{_SAME_ON_EVERY_RANK}",
+    horovod=False, agreed=True,
 )  # fmt: skip
 DISABLE_GROUP_FUSION = Variable(
     "DISABLE_GROUP_FUSION", BOOLEAN, False,
-    "`1` fuses the tensors of a grouped op only with each other.",
+    f"`1` fuses the tensors of a grouped op only with each other. {_SAME_ON_EVERY_RANK}",
+    agreed=True,
 )  # fmt: skip
 LOG_LEVEL = Variable(
     "LOG_LEVEL", LEVEL, "WARNING",
@@ -364,8 +377,8 @@ CPU_OPERATIONS = Variable(
     "ranks: `gloo`, or `mpi` (mpi4py, for jobs started by `mpirun`/`mpiexec` or `horarun "
     "--mpi`). When neither name is set, Horovod's `HOROVOD_CONTROLLER` (`gloo` or `mpi`) "
     "chooses: hora negotiates over the library that moves the data. See "
-    "[docs/deployment.md](deployment.md#choosing-a-data-path).",
-    choices=("gloo", "mpi"), also_read=("HOROVOD_CONTROLLER",),
+    f"[docs/deployment.md](deployment.md#choosing-a-data-path). {_SAME_ON_EVERY_RANK}",
+    choices=("gloo", "mpi"), also_read=("HOROVOD_CONTROLLER",), agreed=True,
     lacking="hora has no oneCCL path: CPU tensors go over the library `HOROVOD_CONTROLLER` "
     "names, else Gloo.",
 )  # fmt: skip
@@ -373,17 +386,18 @@ SHARED_MEMORY = Variable(
     "SHARED_MEMORY", BOOLEAN, True,
     "`1` (the default): ranks of a process set that share a host move data and negotiate "
     "through shared memory (`/dev/shm`); only what crosses hosts goes over the network. `0`: "
-    "every byte over Gloo. See [docs/deployment.md](deployment.md#choosing-a-data-path).",
-    horovod=False,
+    "every byte over Gloo. See [docs/deployment.md](deployment.md#choosing-a-data-path). "
+    f"{_SAME_ON_EVERY_RANK}",
+    horovod=False, agreed=True,
 )  # fmt: skip
 SHM_SLOT_BYTES = Variable(
     "SHM_SLOT_BYTES", INTEGER, 16 * 1024 * 1024,
     "Shared memory each rank maps per process set, in bytes (negotiation takes 1 MiB more); "
     "a host's ranks together map this times their number, per set. Collectives larger than a "
     f"slot run in slot-sized chunks. From `65536` (64 KiB) to `{SHM_MAX_BYTES}` (1 TiB), rounded "
-    f"up to a multiple of {SHM_PAGE_BYTES} (a page).",
+    f"up to a multiple of {SHM_PAGE_BYTES} (a page). {_SAME_ON_EVERY_RANK}",
     bounds=Bounds(low=64 * 1024, high=SHM_MAX_BYTES), unit="bytes", horovod=False,
-    default_doc="`16777216` (16 MiB)",
+    default_doc="`16777216` (16 MiB)", agreed=True,
 )  # fmt: skip
 SHM_ARENA_BYTES = Variable(
     "SHM_ARENA_BYTES", INTEGER, 1024 * 1024 * 1024,
@@ -392,17 +406,18 @@ SHM_ARENA_BYTES = Variable(
     "where they lie, without copies. Address space only: pages are reserved as buffers are "
     "made, and they are the memory those buffers would take anyway. A buffer that does not "
     "fit, or finds /dev/shm full, is made in the process's own memory. `0` turns it off. At "
-    f"most `{SHM_MAX_BYTES}` (1 TiB), rounded up to a multiple of {SHM_PAGE_BYTES} (a page).",
+    f"most `{SHM_MAX_BYTES}` (1 TiB), rounded up to a multiple of {SHM_PAGE_BYTES} (a page). "
+    f"{_SAME_ON_EVERY_RANK}",
     bounds=Bounds(low=0, high=SHM_MAX_BYTES), unit="bytes", horovod=False,
-    default_doc="`1073741824` (1 GiB)",
+    default_doc="`1073741824` (1 GiB)", agreed=True,
 )  # fmt: skip
 HIERARCHICAL_ALLREDUCE = Variable(
     "HIERARCHICAL_ALLREDUCE", OPTIONAL_BOOLEAN, None,
     "For a process set that spans hosts with the same number of its ranks on each: `1` "
     "reduces within each host through shared memory, across hosts over Gloo (one shard per "
     "local rank), and shares the result within each host; `0` reduces over one Gloo group of "
-    "every rank. Unset: hierarchical where it applies.",
-    default_doc="unset: hierarchical",
+    f"every rank. Unset: hierarchical where it applies. {_SAME_ON_EVERY_RANK}",
+    default_doc="unset: hierarchical", agreed=True,
 )  # fmt: skip
 HIERARCHICAL_ALLGATHER = Variable(
     "HIERARCHICAL_ALLGATHER", OPTIONAL_BOOLEAN, None,
@@ -415,8 +430,9 @@ GPU_OPERATIONS = Variable(
     "How collectives on CUDA tensors move their data: `nccl` (a NCCL group per process set, "
     "buffers stay on the GPU; where this torch has no NCCL, hora uses `host`), or `host` "
     "(copied to host memory and through the CPU data path). Negotiation stays on the CPU path "
-    "either way. See [docs/deployment.md](deployment.md#choosing-a-data-path).",
-    choices=("nccl", "host"),
+    "either way. See [docs/deployment.md](deployment.md#choosing-a-data-path). "
+    f"{_SAME_ON_EVERY_RANK}",
+    choices=("nccl", "host"), agreed=True,
     lacking="hora has no CUDA-aware MPI path: CUDA tensors go over NCCL "
     "(`HORA_GPU_OPERATIONS=host` moves them through host memory and the CPU data path instead).",
 )  # fmt: skip
@@ -448,7 +464,8 @@ GC_FREEZE = Variable(
 START_TIMEOUT = Variable(
     "START_TIMEOUT", NUMBER, 30.0,
     "Seconds a worker (`hvd.init()`, or a `hora.run` worker fetching its function) may take to "
-    "reach the job's rendezvous store.",
+    "reach the job's rendezvous store; `hvd.init()` also waits this long (or "
+    "`HORA_GLOO_TIMEOUT_SECONDS`, if longer) for every rank to reach it.",
 )  # fmt: skip
 LAUNCHER_TIMEOUT_SECONDS = Variable(
     "LAUNCHER_TIMEOUT_SECONDS", NUMBER, 60.0,

@@ -101,6 +101,14 @@ class GenerationKeys:
         """A rank's host facts, exchanged at ``init``."""
         return f"{self._prefix}/topology/{rank}"
 
+    def settings(self, rank: int) -> str:
+        """A rank's values of the settings every rank must share, published at ``init``."""
+        return f"{self._prefix}/settings/{rank}"
+
+    def settings_verdict(self) -> str:
+        """Rank 0's finding on those values at ``init``: alike, or which ranks differ."""
+        return f"{self._prefix}/settings-verdict"
+
     def timeline_closed(self) -> str:
         """Counts the ranks that closed their timeline files (rank 0 then merges them)."""
         return f"{self._prefix}/timeline-closed/"

@@ -7,20 +7,35 @@ job's MPI communicator (``HORA_CPU_OPERATIONS=mpi``), and for CUDA tensors NCCL 
 connections before they are used. This module also finds the job's MPI communicator, and the
 place of a process in a job made of part of an MPI job (``hvd.init(comm=...)``).
 
+Before any of them is made, every rank checks through the store that the ranks hold the same
+values of the settings that choose these paths, and of those the engine of every rank must
+apply alike (:func:`agree_on_settings`): ranks that went different ways would wait for each
+other in vain.
+
 It knows settings, the store and the transports; not the engine's cycle or tensors' contents.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 from hora.common import settings_table as table
-from hora.common.config import Settings, cpu_operations, gloo_interface
+from hora.common.config import (
+    AGREED_SETTINGS,
+    SettingError,
+    Settings,
+    cpu_operations,
+    gloo_interface,
+)
+from hora.common.errors import HoraInternalError
 from hora.common.job.launchers import mpi_identity
-from hora.common.job.store import StoreClient
+from hora.common.job.store import AuthenticationError, StoreClient, tampering
+from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology
 from hora.common.transport import Communicator, TransportError, prove_peers
 
@@ -145,9 +160,10 @@ def _mpi_factory(topology: Topology, settings: Settings, store: StoreClient, job
     return factory
 
 
-def mpi_job_comm(comm: Any, topology: Topology, settings: Settings) -> Any:
-    """The job's MPI communicator: ``comm`` (an mpi4py communicator, or world ranks), or
-    ``MPI_COMM_WORLD`` when MPI carries the data; ``None`` when MPI plays no part.
+def mpi_library(comm: Any, topology: Topology, settings: Settings) -> Any:
+    """mpi4py's ``MPI`` module when MPI plays a part (``comm`` given, or MPI carries the data),
+    once it is clear that this job can use it; ``None`` when MPI plays no part. It makes no
+    communicator, so a rank may call it before it joins the job (and refuse early).
 
     Raises:
         ValueError: MPI is asked for but is not available, or ``comm`` does not fit the job.
@@ -178,20 +194,37 @@ def mpi_job_comm(comm: Any, topology: Topology, settings: Settings) -> Any:
             "one that launched the job. Install mpi4py for this MPI (pip install mpi4py builds "
             "it against the mpicc on PATH), or set HORA_CPU_OPERATIONS=gloo."
         )
+    if comm is not None and not _is_communicator(comm):
+        ranks = [int(r) for r in comm]
+        if world.Get_rank() not in ranks:
+            raise ValueError(
+                f"hvd.init(comm={ranks}): this process (MPI_COMM_WORLD rank "
+                f"{world.Get_rank()}) is not one of the listed ranks; only they call hvd.init "
+                "with this list."
+            )
+    return mpi
+
+
+def mpi_job_comm(comm: Any, mpi: Any) -> Any:
+    """The job's MPI communicator: ``comm`` (an mpi4py communicator, or world ranks), or
+    ``MPI_COMM_WORLD`` when MPI carries the data; ``None`` when MPI plays no part (``mpi`` is
+    :func:`mpi_library`'s answer). Collective: every rank of ``comm`` (or of the world) calls
+    it at the same point, so a rank that took another path would leave the others waiting."""
+    if mpi is None:
+        return None
+    world = mpi.COMM_WORLD
     if comm is None:
         return world.Dup()
-    if hasattr(comm, "Get_group") and hasattr(comm, "Dup"):
+    if _is_communicator(comm):
         return comm.Dup()
-    ranks = [int(r) for r in comm]
-    if world.Get_rank() not in ranks:
-        raise ValueError(
-            f"hvd.init(comm={ranks}): this process (MPI_COMM_WORLD rank {world.Get_rank()}) is "
-            "not one of the listed ranks; only they call hvd.init with this list."
-        )
-    group = world.Get_group().Incl(ranks)
+    group = world.Get_group().Incl([int(r) for r in comm])
     made = world.Create_group(group)
     group.Free()
     return made
+
+
+def _is_communicator(comm: Any) -> bool:
+    return hasattr(comm, "Get_group") and hasattr(comm, "Dup")
 
 
 def sub_job(topology: Topology, job_comm: Any) -> Topology:
@@ -221,3 +254,151 @@ def sub_job(topology: Topology, job_comm: Any) -> Topology:
         plan=plan,
     )
     return replace(topology, rank=rank, size=size, launch=reading)
+
+
+# ---------------------------------------------------------------- settings every rank shares
+
+# A message lists this many ranks that hold one value, then says how many more.
+_LISTED_RANKS = 8
+# How much longer than rank 0 the others wait for its verdict once it arrived: rank 0 may itself
+# wait, up to the same limit, for a rank that never comes, and then names that rank.
+_VERDICT_GRACE_S = 5.0
+
+
+def agree_on_settings(
+    topology: Topology,
+    settings: Settings,
+    store: StoreClient,
+    keys: GenerationKeys,
+    timeout_s: float,
+) -> None:
+    """Stop ``init`` on every rank at once when the ranks hold different values of a setting
+    they must share (a variable declared ``agreed``: shared memory and its sizes, the data
+    paths, fusion, the response cache, the steady state). Left alone, such ranks would choose
+    different paths for one process set, or plan different collectives, and wait for each
+    other in vain until an unrelated timeout (or, with different fusion thresholds, reduce
+    buffers that do not match).
+
+    Every rank publishes its values. Rank 0 waits for all of them (one wait, one read of every
+    key), compares them and publishes its verdict, which the other ranks read: O(size) store
+    operations in all, and the same error on every rank as soon as the last one arrives.
+
+    Args:
+        keys: the generation's keys (an elastic round's store has a prefix of its own).
+        timeout_s: how long rank 0 waits for the others, and they for rank 0.
+
+    Raises:
+        SettingError: the values differ; the message names each variable, rank 0's value and
+            the ranks that hold another.
+        HoraInternalError: a rank did not arrive within ``timeout_s`` (the message names it), or
+            the store holds a value this job did not write.
+    """
+    if topology.size == 1:
+        return
+    mine = {name: getattr(settings, name) for name in AGREED_SETTINGS}
+    store.set_signed(keys.settings(topology.rank), json.dumps(mine).encode())
+    try:
+        if topology.rank == 0:
+            verdict = _judge(store, keys, topology.size, timeout_s)
+            store.set_signed(keys.settings_verdict(), json.dumps(verdict).encode())
+        else:
+            verdict = _verdict_of_rank_0(store, keys, topology.rank, timeout_s)
+    except AuthenticationError as exc:
+        raise HoraInternalError(tampering(exc, topology.rank)) from None
+    if verdict["differ"]:
+        raise SettingError(verdict["differ"])
+    if verdict["missing"]:
+        raise HoraInternalError(verdict["missing"])
+
+
+def _judge(store: StoreClient, keys: GenerationKeys, size: int, timeout_s: float) -> dict[str, str]:
+    """Rank 0: every rank's values compared (``differ``), or the ranks that did not publish
+    theirs in time (``missing``)."""
+    names = [keys.settings(r) for r in range(size)]
+    try:
+        store.store.wait([store.key(name) for name in names], timedelta(seconds=timeout_s))
+    except RuntimeError:
+        missing = [r for r, name in enumerate(names) if not store.check(name)]
+        if not missing:
+            raise
+        whose = "its" if len(missing) == 1 else "their"
+        return {
+            "differ": "",
+            "missing": f"rank 0 waited {timeout_s:g} s for {_ranks(missing)} to reach "
+            "hvd.init(), to compare the settings every rank must share. Check "
+            f"{whose} output; raise {table.START_TIMEOUT.env} if start-up is slow.",
+        }
+    blobs = store.store.multi_get([store.key(name) for name in names])
+    values = [json.loads(store.verified(name, bytes(blob))) for name, blob in zip(names, blobs)]
+    return {"differ": differences(values), "missing": ""}
+
+
+def _verdict_of_rank_0(
+    store: StoreClient, keys: GenerationKeys, rank: int, timeout_s: float
+) -> dict[str, str]:
+    name = keys.settings_verdict()
+    if store.wait(name, timeout_s):
+        return dict(json.loads(store.get_signed(name)))
+    if not store.check(keys.settings(0)):
+        why = f"rank {rank} waited {timeout_s:g} s for rank 0 to reach hvd.init()"
+    elif store.wait(name, timeout_s + _VERDICT_GRACE_S):
+        # Rank 0 arrived late and waited for the others: its verdict says who did not come.
+        return dict(json.loads(store.get_signed(name)))
+    else:
+        why = f"rank {rank} waited {2 * timeout_s + _VERDICT_GRACE_S:g} s for rank 0's verdict"
+    return {
+        "differ": "",
+        "missing": f"{why}, to compare the settings every rank must share. Check its output; "
+        f"raise {table.START_TIMEOUT.env} if start-up is slow.",
+    }
+
+
+def differences(values: list[dict[str, Any]]) -> str:
+    """What the ranks' values of the settings they must share (``values[r]``: rank ``r``'s)
+    disagree on, one line per variable, and what to do; ``""`` when they agree.
+
+    Example:
+        >>> differences([{"shared_memory": True}, {"shared_memory": False}])[:74]
+        'HORA_SHARED_MEMORY differs across ranks: rank 0 has 1, rank 1 has 0. Set it'
+    """
+    lines = []
+    for name, variable in AGREED_SETTINGS.items():
+        reference = values[0].get(name)
+        others: dict[str, list[int]] = {}
+        for rank, seen in enumerate(values):
+            if seen.get(name) != reference:
+                others.setdefault(_shown(seen.get(name)), []).append(rank)
+        if others:
+            held = [f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {value}"
+                    for value, ranks in others.items()]  # fmt: skip
+            lines.append(
+                f"{variable.names} differs across ranks: rank 0 has {_shown(reference)}, "
+                f"{', '.join(held)}."
+            )
+    if not lines:
+        return ""
+    them = "it" if len(lines) == 1 else "them"
+    advice = (
+        f"Set {them} the same on every rank: horarun passes the launcher's environment to every "
+        f"rank, so look for a wrapper script or a launcher option that sets {them} for some "
+        "ranks only."
+    )
+    return (" " if len(lines) == 1 else "\n").join([*lines, advice])
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as its variable is written (``1`` for true)."""
+    if value is None:
+        return "it unset"
+    if isinstance(value, bool):
+        return str(int(value))
+    return str(value)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 2``, ``ranks 1, 3``, ``ranks 1, 2, ..., 8 and 92 more``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    listed = ", ".join(map(str, ranks[:_LISTED_RANKS]))
+    more = len(ranks) - _LISTED_RANKS
+    return f"ranks {listed}" + (f" and {more} more" if more > 0 else "")
