@@ -53,16 +53,21 @@ def _train(steps: int) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.timeout(150)
-def test_autotune_agrees_across_ranks_and_changes_no_result(tmp_path: Path) -> None:
-    np = 3
-    log = tmp_path / "autotune.csv"
-    env = {
+def _tuning(log: Path) -> dict[str, str]:
+    """Autotune on, logging to ``log``, with short trials (one warm-up step, two measured)."""
+    return {
         "HORA_AUTOTUNE": "1",
         "HORA_AUTOTUNE_LOG": str(log),
         "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
         "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "2",
     }
+
+
+@pytest.mark.timeout(150)
+def test_autotune_agrees_across_ranks_and_changes_no_result(tmp_path: Path) -> None:
+    np = 3
+    log = tmp_path / "autotune.csv"
+    env = _tuning(log)
     tuned = run_job(_train, np, STEPS, env=env)
     plain = run_job(_train, np, STEPS)
     tried = len(candidates(128 * 1024 * 1024))
@@ -81,12 +86,7 @@ def test_a_job_that_ends_before_the_search_says_what_it_found(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     log = tmp_path / "autotune.csv"
-    env = {
-        "HORA_AUTOTUNE": "1",
-        "HORA_AUTOTUNE_LOG": str(log),
-        "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
-        "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-    }
+    env = _tuning(log)
     results = run_job(_train, 2, 12, env=env)
     assert all(not r["done"] and 0 < r["trials"] < len(candidates(128 << 20)) for r in results)
     rows = log.read_text().splitlines()
