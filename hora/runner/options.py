@@ -18,13 +18,15 @@ from flag values given by name (``hora.run``'s arguments). It does not start any
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from hora.common import config, safe_files
 from hora.common.settings_table import (
@@ -34,6 +36,7 @@ from hora.common.settings_table import (
     LOG_LEVELS,
     Variable,
 )
+from hora.runner.command import CommandError, check_command
 from hora.runner.flags import BY_DEST, GROUPS, OPTIONS, Option
 from hora.runner.remote import CONNECT_TIMEOUT_S, SshSettings
 
@@ -51,6 +54,7 @@ __all__ = [
     "OutputOptions",
     "Query",
     "Refused",
+    "UnknownFlag",
     "Values",
     "build_parser",
     "engine_env",
@@ -58,6 +62,7 @@ __all__ = [
     "flag",
     "flag_of",
     "from_values",
+    "nearest_flags",
     "notes",
     "parse",
     "read",
@@ -225,6 +230,81 @@ class Refused(OptionError):
         self.reasons = tuple(reasons)
 
 
+class UnknownFlag(OptionError):
+    """A flag horarun does not have (``--np``, ``--fusion-treshold-mb``), with the nearest ones
+    it has.
+
+    Attributes:
+        given: the flags as given, in order.
+    """
+
+    def __init__(self, given: Sequence[str]) -> None:
+        lines = [_unknown_flag_line(flag) for flag in given]
+        super().__init__("\n".join([*lines, _SHORT_HELP]))
+        self.given = tuple(given)
+
+
+_SHORT_HELP = "`horarun --help` lists every flag."
+_SHORT_USAGE = f"usage: horarun -np N [flags] command [args ...]; {_SHORT_HELP}"
+
+# Every name of every flag, to match a misspelt one against (the hidden opposites too:
+# ``--no-autotune`` is as valid as ``--autotune``), and the flag (``dest``) each stands for.
+_FLAG_OF_NAME: dict[str, str] = {
+    **{name: option.dest for option in OPTIONS for name in (*option.flags, *option.opposite)},
+    "-h": "help",
+    "--help": "help",
+}
+# How alike a misspelt flag and a real one must be (difflib's ratio), and how much less alike
+# than the best a second suggestion may be.
+_CLOSE = 0.75
+_TIE = 0.02
+
+
+def nearest_flags(given: str) -> list[str]:
+    """The flags ``given`` most likely stands for: the same name with other dashes (``--np``:
+    ``-np``), else the closest spellings (``--fusion-treshold-mb``: ``--fusion-threshold-mb``);
+    empty when none is close.
+
+    Example:
+        >>> nearest_flags("--np"), nearest_flags("--fusion-treshold-mb")
+        (['-np'], ['--fusion-threshold-mb'])
+    """
+    bare = given.split("=", 1)[0].lstrip("-")
+    if not bare:
+        return []
+    by_bare = {name.lstrip("-"): name for name in _FLAG_OF_NAME}
+    if bare in by_bare:
+        return [by_bare[bare]]
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, bare, other).ratio(), other) for other in by_bare),
+        reverse=True,
+    )
+    best = scored[0][0]
+    close: dict[str, str] = {}  # by dest: one name per flag
+    # Names as close as the best are shown too (``--min-np`` and ``--max-np``), two at most.
+    for score, other in scored:
+        if score < max(best - _TIE, _CLOSE) or len(close) == 2:
+            break
+        close.setdefault(_FLAG_OF_NAME[by_bare[other]], by_bare[other])
+    return list(close.values())
+
+
+def _unknown_flag_line(given: str) -> str:
+    name = given.split("=", 1)[0]
+    close = nearest_flags(given)
+    if not close:
+        return f"unknown option {name}."
+    return f"unknown option {name}; did you mean {' or '.join(close)}?"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with a short usage on an error: the message, then one line of usage
+    (``--help`` prints the whole list)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"horarun: {message}\n{_SHORT_USAGE}\n")
+
+
 _TYPES: dict[str, Any] = {"int": int, "float": float, "text": None, "append": None, "pair": float}
 
 
@@ -262,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     Every value defaults to ``None`` so that a config file can fill what the command line left
     out; :func:`parse` applies the defaults after that.
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="horarun",
         description="Launch a hora (Horovod-compatible) training job. Flags follow horovodrun.",
         epilog="Example: horarun -np 4 -H node1:2,node2:2 python train.py",
@@ -496,9 +576,17 @@ def read(
 
     Raises:
         SystemExit: argparse's usage error (status 2).
+        UnknownFlag: a flag horarun does not have, before the command.
         OptionError: the config file is unusable.
     """
-    values = vars((parser or build_parser()).parse_args(argv))
+    parser = parser or build_parser()
+    namespace, extra = parser.parse_known_args(argv)
+    unknown = [word for word in extra if word.startswith("-")]
+    if unknown:
+        raise UnknownFlag(unknown)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    values = vars(namespace)
     command = list(values.pop("command"))
     if values["config_file"]:
         _apply_config_file(values)
@@ -603,9 +691,12 @@ def parse(argv: Sequence[str] | None = None) -> LaunchOptions | Query:
         SystemExit: argparse's usage error (status 2), also when the command or ``-np`` is
             missing.
         Refused: a flag asks for what hora cannot do.
-        OptionError: a value is out of range or the config file is unusable.
+        UnknownFlag: a flag horarun does not have (with the nearest ones it has).
+        OptionError: a value is out of range, the config file is unusable, or the command's
+            first word is a file here that cannot start (``train.py`` without ``python``).
     """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     values, command = read(argv, parser)
     _check(values)
     launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
@@ -614,6 +705,10 @@ def parse(argv: Sequence[str] | None = None) -> LaunchOptions | Query:
         if values[query.value]:
             return query
     np = _job_size(parser, values, command)
+    try:
+        check_command(command, argv)
+    except CommandError as exc:
+        raise OptionError(str(exc)) from None
     return _launch_options(values, command, np, hosts, launcher_timeout_s)
 
 
