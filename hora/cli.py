@@ -15,7 +15,17 @@ from collections.abc import Sequence
 def _doctor(args: argparse.Namespace) -> int:
     from hora.tools.doctor import doctor
 
-    return doctor(np=args.np, run_check=not args.no_run, timeout_s=args.timeout)
+    try:
+        return doctor(np=args.np, run_check=not args.no_run, timeout_s=args.timeout)
+    except Exception as exc:  # each check catches its own; this is the doctor's own bug
+        said = str(exc).strip().splitlines()
+        print(
+            f"hora doctor: stopped by {type(exc).__name__}"
+            + (f": {said[0]}" if said else "")
+            + ". The report above is complete up to here; please report this line.",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _check_build(args: argparse.Namespace) -> int:

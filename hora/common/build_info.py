@@ -192,6 +192,8 @@ def _mpi() -> Capability:
         return Capability("MPI", False, "mpi4py cannot be imported")
     library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
     found = f"mpi4py {mpi4py.__version__} ({library})"
+    if torch_version() is None:  # hora's MPI transport stands on torch tensors
+        return Capability("MPI", False, f"{found}, but torch cannot be imported")
     if not mpi_built():
         return Capability("MPI", False, f"{found}, but its MPI library does not answer")
     return Capability("MPI", True, found)
