@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hora.common import metrics, submission
+from hora.common import basics, metrics, submission
 from hora.common.errors import HoraInternalError, HoraValueError
 from hora.common.message import ReduceOp
 from hora.common.process_sets import ProcessSet
@@ -897,7 +897,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ...     torch.save(state, "optimizer.pt")
         """
         self.finish_parameter_gather()
-        return zero_state.consolidated_state_dict(self)
+        try:
+            return zero_state.consolidated_state_dict(self)
+        except HoraInternalError as exc:
+            # A rank that does not call it goes on, typically to hvd.shutdown(); the engine
+            # then names only that shutdown, which says nothing of state_dict().
+            raise HoraInternalError(_state_dict_advice(exc)) from exc
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (no communication), for a checkpoint file per rank.
@@ -961,6 +966,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def process_set(self) -> ProcessSet:
         return self._process_set
+
+
+def _state_dict_advice(exc: HoraInternalError) -> str:
+    """What a failed :meth:`ShardedOptimizer.state_dict` says: what happened, and that every
+    rank must call it."""
+    said = str(exc).strip().splitlines()
+    what = said[0].rstrip(".") if said else type(exc).__name__
+    try:
+        where = f" on rank {basics.rank()}"
+    except Exception:  # the session is gone: the message names no rank
+        where = ""
+    return (
+        f"sharded DistributedOptimizer: state_dict() did not complete{where}: {what}.\n"
+        "state_dict() of a sharded optimizer is a collective: it gathers every rank's shard of "
+        "the optimizer state, so every rank must call it. Call `state = optimizer.state_dict()` "
+        "on every rank, then save on rank 0 alone (`if hvd.rank() == 0: torch.save(state, "
+        "path)`); or save each rank's own shard with optimizer.sharded_state_dict(), which "
+        "needs no other rank."
+    )
 
 
 def _gather_before_forward(
