@@ -18,6 +18,7 @@ training). Importing this module never imports PyTorch.
 from __future__ import annotations
 
 import importlib.util
+import io
 import logging
 import os
 import re
@@ -26,6 +27,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
+from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -232,7 +235,7 @@ def run(
     }
     base_env = _base_env(env)
     launch = launch_options(given, executable, base_env)
-    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    payload = pickled_call(func, tuple(args), dict(kwargs or {}))
     with _verbose_logging(launch.output.verbose):
         for note in launch.notes:
             logger.debug("%s", in_our_words(note))
@@ -242,6 +245,41 @@ def run(
         if isinstance(plan, ElasticPlan):
             return _run_elastic(plan, launch, payload, base_env, timeout_s)
         return _run_static(plan, launch, payload, base_env, timeout_s)
+
+
+def pickled_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """The function and its arguments as the workers load them: cloudpickle's pickle, with the
+    file name of every code object it sends by value kept.
+
+    cloudpickle names such code ``<dynamic-code>`` (a function of ``__main__``, of a notebook,
+    or of a module registered with ``register_pickle_by_value``), so a worker's traceback would
+    not say where the failing line is; with the name kept it shows the user's file and line
+    (and the line's text, where the file is there too).
+    """
+    with io.BytesIO() as file:
+        _CallPickler(file).dump((func, args, kwargs))
+        return file.getvalue()
+
+
+# How cloudpickle pickles a code object: a constructor and its arguments (without the file name).
+_reduce_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
+def _code_keeping_file(code: types.CodeType) -> tuple[Any, ...]:
+    build, arguments = _reduce_code(code)
+    return _code_with_file, (build, arguments, code.co_filename)
+
+
+def _code_with_file(build: Any, arguments: tuple[Any, ...], filename: str) -> types.CodeType:
+    """A code object as cloudpickle builds it, with its file name back (runs on the worker)."""
+    code: types.CodeType = build(*arguments)
+    return code.replace(co_filename=filename)
+
+
+class _CallPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    dispatch_table = ChainMap(
+        {types.CodeType: _code_keeping_file}, cloudpickle.Pickler.dispatch_table
+    )
 
 
 def launch_options(
