@@ -17,13 +17,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's start-up messages
 
+# From hora's extras: when one is missing, one line says what to install, not a traceback.
+try:
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"{os.path.basename(__file__)} needs {missing.name}, which is not installed: "
+        "pip install 'hora[examples,tensorflow]'"
+    )
+
 import numpy as np
-import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hora.tensorflow.keras as hvd
 

@@ -5,7 +5,7 @@ Run it on two workers::
     horarun -np 2 python examples/lightning_digits.py
     horarun -np 2 python examples/lightning_digits.py --epochs 5 --precision bf16-mixed
 
-Needs ``pip install 'hora[lightning]'``. ``import hora.lightning`` registers
+Needs ``pip install 'hora[examples,lightning]'``. ``import hora.lightning`` registers
 ``Trainer(strategy="hora")``; everything else is plain Lightning: the ``Trainer`` shards the
 training set with a ``DistributedSampler`` (each rank sees 1/N of every epoch), the strategy
 averages gradients across the ranks while backward runs and starts every rank from rank 0's
@@ -18,9 +18,19 @@ pytorch_digits.py next to this file.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
-import lightning as L
+# From hora's extras: when one is missing, one line says what to install, not a traceback.
+try:
+    import lightning as L
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"{os.path.basename(__file__)} needs {missing.name}, which is not installed: "
+        "pip install 'hora[examples,lightning]'"
+    )
+
 import torch
 import torch.nn.functional as F
 from pytorch_digits import DigitsNet, load_data

@@ -23,14 +23,22 @@ import os
 import sys
 from typing import Any
 
+# From hora's extras: when one is missing, one line says what to install, not a traceback.
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from tqdm import tqdm
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"{os.path.basename(__file__)} needs {missing.name}, which is not installed: "
+        "pip install 'hora[examples]'"
+    )
+
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
 import hora.torch as hvd
 

@@ -3,7 +3,7 @@
 Run it (it starts a local Ray with one CPU per worker plus one for Ray Data, or joins
 ``--address``)::
 
-    pip install "hora[ray,examples]"
+    pip install 'hora[examples,ray]'
     python examples/ray_data_digits.py                       # 2 workers, 4 epochs
     python examples/ray_data_digits.py --num-workers 4 --address auto
 
@@ -35,15 +35,23 @@ import sys
 import tempfile
 from typing import Any
 
+# From hora's extras: when one is missing, one line says what to install, not a traceback.
+try:
+    import ray
+    import ray.cloudpickle
+    import ray.data
+    import ray.train
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"{os.path.basename(__file__)} needs {missing.name}, which is not installed: "
+        "pip install 'hora[examples,ray]'"
+    )
+
 import numpy as np
-import ray
-import ray.cloudpickle
-import ray.data
-import ray.train
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hora.torch as hvd
 from hora.ray import HoraConfig, HoraTrainer

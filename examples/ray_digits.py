@@ -2,7 +2,7 @@
 
 Run it (it starts a local Ray with as many CPUs as workers, or joins ``--address``)::
 
-    pip install "hora[ray,examples]"
+    pip install 'hora[examples,ray]'
     python examples/ray_digits.py                                  # 2 workers, 6 epochs
     python examples/ray_digits.py --num-workers 4 --address auto   # an existing Ray cluster
     python examples/ray_digits.py --num-workers 4 --min-workers 2  # elastic: 2 to 4 workers
@@ -23,9 +23,17 @@ import sys
 import tempfile
 from typing import Any
 
-import ray
-import ray.cloudpickle
-import ray.train
+# From hora's extras: when one is missing, one line says what to install, not a traceback.
+try:
+    import ray
+    import ray.cloudpickle
+    import ray.train
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"{os.path.basename(__file__)} needs {missing.name}, which is not installed: "
+        "pip install 'hora[examples,ray]'"
+    )
+
 import torch
 
 import hora.torch as hvd

@@ -2,7 +2,7 @@
 
 Run it (it starts a local Ray, or joins ``--address``)::
 
-    pip install "hora[ray,examples]"
+    pip install 'hora[examples,ray]'
     python examples/ray_tune_digits.py                          # 2 trials x 2 workers, 4 epochs
     python examples/ray_tune_digits.py --lrs 0.05 0.02 1e-5 --max-concurrent-trials 2
 
@@ -34,11 +34,18 @@ import os
 import sys
 from typing import Any
 
-import ray
-import ray.cloudpickle
-import ray.train
-import ray.tune
-from ray.tune.integration.ray_train import TuneReportCallback
+# From hora's extras: when one is missing, one line says what to install, not a traceback.
+try:
+    import ray
+    import ray.cloudpickle
+    import ray.train
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+except ModuleNotFoundError as missing:
+    sys.exit(
+        f"{os.path.basename(__file__)} needs {missing.name}, which is not installed: "
+        "pip install 'hora[examples,ray]'"
+    )
 
 from hora.ray import HoraConfig, HoraTrainer
 
