@@ -66,7 +66,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--no-cuda", action="store_true", help="run on the CPU even when a GPU is visible"
     )
     parser.add_argument(
-        "--use-adasum", action="store_true", help="not supported by hora; the flag is refused"
+        "--use-adasum",
+        action="store_true",
+        help="combine gradients with Adasum (op=hvd.Adasum) instead of averaging them; "
+        "a power-of-two number of workers",
     )
     parser.add_argument(
         "--threads-per-worker",
@@ -82,11 +85,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="rank 0 also writes the results to PATH as JSON (for tools such as hora bench)",
     )
     args = parser.parse_args(argv)
-    if args.use_adasum:
-        parser.error(
-            "--use-adasum: hora has no Adasum reduction (Horovod runs Adasum only over MPI). "
-            "Drop the flag to benchmark gradient averaging."
-        )
     for flag in ("batch_size", "num_batches_per_iter", "num_iters"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -239,11 +237,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     model_class, make_batch, unit = MODELS[args.model]
     model = model_class().to(device)
-    # Horovod's benchmark scales the learning rate by the number of workers, as training would.
-    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    # Horovod's benchmark scales the learning rate by the number of workers, as training would;
+    # Adasum combines gradients without that scaling.
+    lr_scaler = 1 if args.use_adasum else hvd.size()
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), compression=compression
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -273,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     log(f"Number of workers: {hvd.size()} ({torch.get_num_threads()} thread(s) each)")
     log(f"Device of rank 0: {describe(device)}")
     log(f"Gradient compression: {'fp16' if args.fp16_allreduce else 'none'}")
+    log(f"Gradient reduction: {'Adasum' if args.use_adasum else 'average'}")
 
     log("Running warmup...")
     timed_batches(args.num_warmup_batches)
@@ -312,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "num_batches_per_iter": args.num_batches_per_iter,
                 "num_iters": args.num_iters,
                 "fp16_allreduce": args.fp16_allreduce,
+                "use_adasum": args.use_adasum,
                 "seconds_per_iter": seconds_per_iter,
                 "rate_per_worker": rates,
                 "rate_per_worker_mean": mean,
