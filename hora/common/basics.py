@@ -98,8 +98,8 @@ def negotiation_path() -> str:
 
 
 def gloo_enabled() -> bool:
-    """Whether the running job moves data over Gloo (``HORA_CPU_OPERATIONS=gloo``, the
-    default)."""
+    """Whether the running job is on hora's own data path (``HORA_CPU_OPERATIONS=gloo``, the
+    default: shared memory within a host, Gloo across hosts), not on MPI's."""
     from hora.common.build_info import gloo_built
 
     current = runtime().session

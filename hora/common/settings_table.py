@@ -291,8 +291,9 @@ DYNAMIC_PROCESS_SETS = Variable(
 )  # fmt: skip
 TIMELINE = Variable(
     "TIMELINE", OPTIONAL_TEXT, None,
-    "Write a timeline: rank 0 to this file, rank r to `FILE.rank<r>`, merged into the file at a "
-    f"normal end. `{TIMELINE_DYNAMIC}` (Horovod's word) writes none until "
+    "Write a timeline: rank 0 to this file, rank r to the same name with `.rank<r>` before its "
+    "extension (`timeline.json` → `timeline.rank1.json`), merged into the file at a normal end."
+    f" `{TIMELINE_DYNAMIC}` (Horovod's word) writes none until "
     f"`hvd.start_timeline()`. See {_PROFILING}.",
 )  # fmt: skip
 TIMELINE_MARK_CYCLES = Variable(
@@ -374,7 +375,8 @@ LOG_HIDE_TIME = Variable(
 CPU_OPERATIONS = Variable(
     "CPU_OPERATIONS", CHOICE, "gloo",
     "Which library moves the data of collectives on CPU tensors, and the negotiation between "
-    "ranks: `gloo`, or `mpi` (mpi4py, for jobs started by `mpirun`/`mpiexec` or `horarun "
+    "ranks: `gloo` (ranks of one host then exchange through shared memory, see "
+    "`HORA_SHARED_MEMORY`; Gloo across hosts), or `mpi` (mpi4py, for jobs started by `mpirun`/`mpiexec` or `horarun "
     "--mpi`). When neither name is set, Horovod's `HOROVOD_CONTROLLER` (`gloo` or `mpi`) "
     "chooses: hora negotiates over the library that moves the data. See "
     f"[docs/deployment.md](deployment.md#choosing-a-data-path). {_SAME_ON_EVERY_RANK}",

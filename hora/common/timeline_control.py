@@ -46,7 +46,8 @@ def open_timeline(current: Session, path: str, mark_cycles: bool) -> None:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing a timeline (every rank calls it; rank r > 0 writes ``FILE.rank<r>``).
+    """Start writing a timeline (every rank calls it; rank r > 0 writes the same name with
+    ``.rank<r>`` before its extension: ``timeline.rank1.json``).
 
     See docs/profiling.md. A timeline already running is closed first.
 

@@ -466,10 +466,12 @@ OPTIONS: tuple[Option, ...] = (
     # ------------------------------------------------------------------ controller
     _switch("--gloo", group="controller", config_key="controller: gloo",
             variable=var.CPU_OPERATIONS, encode=lambda _on: "gloo",
-            help="start the workers with horarun; they negotiate and move CPU data over Gloo "
-            "(default)",
-            doc="`horarun` starts the workers itself (over SSH on other hosts); they negotiate "
-            "and move the data of CPU tensors over Gloo. The default.", doc_table="general"),
+            help="start the workers with horarun (default); CPU data goes through shared memory "
+            "within a host, over Gloo across hosts",
+            doc="`horarun` starts the workers itself (over SSH on other hosts), not through "
+            "`mpirun`: the default. Ranks of one host move the data of CPU tensors and negotiate "
+            "through shared memory (`HORA_SHARED_MEMORY`), ranks on different hosts over Gloo.",
+            doc_table="general"),
     _switch("--mpi", group="controller", config_key="controller: mpi",
             variable=var.CPU_OPERATIONS, encode=lambda _on: "mpi",
             help="start the job with mpirun; the workers negotiate and move CPU data over MPI",
