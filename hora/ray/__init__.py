@@ -7,7 +7,7 @@
 * :class:`RayExecutor` keeps ``horovod.ray.RayExecutor``'s interface (``start``, ``run``,
   ``run_remote``, ``execute``, ``execute_single``, ``shutdown``) for code migrating from Horovod.
 
-Install with ``pip install "hora[ray]"``. ``import hora`` never imports Ray; this package does.
+Install with ``pip install 'hora[ray]'``. ``import hora`` never imports Ray; this package does.
 The trainer's names import ``ray.train`` on first use, so ``RayExecutor`` needs only Ray core.
 See docs/ray.md.
 """
@@ -22,8 +22,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installa
     if exc.name != "ray":
         raise  # Ray is there but does not import: its own traceback says why
     raise ModuleNotFoundError(
-        'hora.ray needs Ray, which is not installed: pip install "hora[ray]" '
-        '(or pip install "ray[train]").',
+        "hora.ray needs Ray, which is not installed: pip install 'hora[ray]' "
+        "(or pip install 'ray[train]').",
         name="ray",
     ) from None
 
@@ -44,7 +44,7 @@ def __getattr__(name: str) -> Any:
                 raise
             raise ImportError(
                 f"hora.ray.{name} needs Ray Train, which cannot be imported ({exc}): "
-                'pip install "hora[ray]" (or pip install "ray[train]").'
+                "pip install 'hora[ray]' (or pip install 'ray[train]')."
             ) from None
         return getattr(trainer, name)
     if name in _EXECUTOR_NAMES:

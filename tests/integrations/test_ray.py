@@ -424,7 +424,7 @@ def test_importing_hora_does_not_import_ray():
         try:
             import hora.ray
         except ImportError as exc:
-            assert 'pip install "hora[ray]"' in str(exc), exc
+            assert "pip install 'hora[ray]'" in str(exc), exc
         else:
             raise AssertionError("import hora.ray without Ray did not fail")
         print("ok")

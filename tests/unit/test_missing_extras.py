@@ -58,7 +58,7 @@ def test_mpi_without_mpi4py_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
 def test_hora_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     _forget(monkeypatch, "hora.ray")
     _uninstalled(monkeypatch, "ray")
-    with pytest.raises(ImportError, match=r'hora\.ray needs Ray.*pip install "hora\[ray\]"') as err:
+    with pytest.raises(ImportError, match=r"hora\.ray needs Ray.*pip install 'hora\[ray\]'") as err:
         importlib.import_module("hora.ray")
     assert _is_one_line(err.value), err.value
 
