@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from typing import Any
 
 # From hora's extras: when one is missing, one line says what to install, not a traceback.
@@ -67,7 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fp16-allreduce", action="store_true", help="send gradients as float16 (fp16 compression)"
     )
-    parser.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="never show progress within an epoch"
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="when rank 0's output is not a terminal (under horarun): a progress line at most "
+        "every S seconds within an epoch (default 10)",
+    )
     parser.add_argument(
         "--no-cuda", action="store_true", help="train on the CPU even when a GPU is visible"
     )
@@ -193,9 +204,13 @@ def train_epoch(
     model.train()
     device = next(model.parameters()).device
     total, batches = torch.zeros((), device=device), len(loader)
+    # A bar where rank 0's stderr is a terminal; under horarun (whose workers write to pipes)
+    # a line at most every --progress-every seconds, so long epochs still show progress.
+    on_terminal = show_progress and sys.stderr.isatty()
     bar = tqdm(
-        loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not show_progress, leave=False
+        loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not on_terminal, leave=False
     )
+    last_line = time.monotonic()
     for batch, (images, labels) in enumerate(bar):
         images, labels = images.to(device), labels.to(device)
         for group in optimizer.param_groups:
@@ -209,8 +224,15 @@ def train_epoch(
             batch_size=len(images), loss=loss.detach(), lr=optimizer.param_groups[0]["lr"]
         )
         total += loss.detach()
-        if show_progress:
+        if on_terminal:
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        elif show_progress and time.monotonic() - last_line >= args.progress_every:
+            last_line = time.monotonic()
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: batch {batch + 1}/{batches}, "
+                f"loss {loss.item():.4f}",
+                flush=True,
+            )
     # Every rank has the same number of batches (the sampler pads the shards to equal length).
     return hvd.allreduce(total / batches, name="train_loss").item()
 
@@ -258,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    show_progress = hvd.rank() == 0 and not args.no_progress and sys.stderr.isatty()
+    show_progress = hvd.rank() == 0 and not args.no_progress
     if hvd.rank() == 0:
         print(
             f"training on {hvd.size()} worker(s) ({device.type}): {len(train_set)} train / {len(test_set)} test "

@@ -579,9 +579,10 @@ class Supervisor:
             # hvd.shutdown() at exit, and the others may fail before its process is gone).
             lines.append(
                 f"Ranks {succeeded} exited with code 0. If they left before the other ranks "
-                "were done (say, their loop ran fewer steps), the others waited for them in "
-                "their next collective and failed because of it: give every rank the same "
-                "number of steps, or use hvd.join()."
+                "were done, the others waited for them in their next collective and failed "
+                "because of it: give every rank the same number of steps (or use hvd.join()), "
+                "and call every collective on every rank, also those inside a rank-0 branch "
+                "(a sharded optimizer's state_dict(), broadcast_object)."
             )
         return "\n".join(lines)
 
