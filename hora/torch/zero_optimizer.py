@@ -18,8 +18,8 @@ the allgathers are started, and each bucket is written into the parameters just 
 first module that owns one of its parameters runs forward (or when anything else of the
 optimizer's, or ``model.state_dict()``/``load_state_dict()``, needs them whole).
 
-This module knows optimizers, parameters and handles; the state's consolidation and the
-per-rank files are in :mod:`hora.torch.zero_state`.
+This module knows optimizers, parameters and handles; the state as a whole (consolidated and
+per-rank state dicts, loading them) is in :mod:`hora.torch.zero_state` and its neighbours.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hora.common.message import ReduceOp
 from hora.common.process_sets import ProcessSet
 from hora.common.timeline_control import current_timeline
 from hora.common.timeline_writer import TRAINING_ROW
-from hora.torch import ops, zero_state
+from hora.torch import ops, zero_consolidated_state, zero_state, zero_state_loading
 from hora.torch.gradient_reduction import (
     TOO_MANY_PASSES,
     ZERO_GRAD_RACE,
@@ -898,7 +898,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         self.finish_parameter_gather()
         try:
-            return zero_state.consolidated_state_dict(self)
+            return zero_consolidated_state.consolidated_state_dict(self)
         except HoraInternalError as exc:
             # A rank that does not call it goes on, typically to hvd.shutdown(); the engine
             # then names only that shutdown, which says nothing of state_dict().
@@ -922,7 +922,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the same parameters): this rank keeps its slices. Or load this rank's
         :meth:`sharded_state_dict`. Needs no other rank."""
         self._reset_pass()
-        zero_state.load_state_dict(self, state_dict)
+        zero_state_loading.load_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ seams for zero_state
 
