@@ -12,6 +12,7 @@ import pytest
 
 from hora.runner import options
 from hora.runner.command import CommandError, check_command
+from hora.runner.flag_parser import SHORT_USAGE
 
 PYTHON_SCRIPT = "import sys\nprint(sys.argv)\n"
 
@@ -57,7 +58,7 @@ def test_other_usage_errors_print_one_line_of_usage(capsys: pytest.CaptureFixtur
     said = capsys.readouterr().err.splitlines()
     assert said == [
         "horarun: argument -np/--num-proc: invalid int value: 'two'",
-        options._SHORT_USAGE,
+        SHORT_USAGE,
     ]
 
 
