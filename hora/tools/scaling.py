@@ -1,36 +1,34 @@
 """Scaling studies (``hora bench scaling``): the synthetic benchmark at several world sizes, as one
 table of throughput, speedup, scaling efficiency and communication share.
 
-This module owns the study: the jobs it runs (one ``horarun`` per model and world size, each
-running :mod:`hora.tools.synthetic_benchmark`), following them with a progress bar, stopping at
-the first failure, and the command line. It reads a job's figures only from the benchmark's
-``--json`` file, and its communication time only through :mod:`hora.tools.timeline`'s summary of
-the timeline the job wrote; :mod:`hora.tools.scaling_table` turns them into the table, the CSV
-and the plot. It never imports torch, so ``hora`` starts fast.
+This module owns the study: the jobs it runs, in order (one ``horarun`` per model and world size,
+each run by :mod:`hora.tools.scaling_jobs`), following them with a progress bar, stopping at the
+first failure, the report, and the command line. A job's figures and communication share come
+from :mod:`hora.tools.scaling_jobs`; :mod:`hora.tools.scaling_table` turns them into the table,
+the CSV and the plot. It never imports torch, so ``hora`` starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from hora.common import safe_files
-from hora.common.settings_table import TIMELINE
-from hora.tools import timeline
 from hora.tools.arguments import not_negative, positive
+from hora.tools.scaling_jobs import (
+    BENCHMARK_MODULE,
+    TAIL_LINES,
+    Job,
+    ScalingError,
+    StudySettings,
+    communication_share,
+    run_job,
+)
 from hora.tools.scaling_table import (
     Measurement,
     Row,
@@ -41,252 +39,27 @@ from hora.tools.scaling_table import (
     write_csv,
 )
 
+__all__ = [
+    "BENCHMARK_MODULE",
+    "CSV_NAME",
+    "MODELS",
+    "PLOT_NAME",
+    "TAIL_LINES",
+    "Job",
+    "ScalingError",
+    "StudySettings",
+    "add_arguments",
+    "add_parser",
+    "communication_share",
+    "main",
+    "parse_world_sizes",
+    "run_job",
+    "run_study",
+]
+
 MODELS = ("mlp", "resnet", "transformer")
-BENCHMARK_MODULE = "hora.tools.synthetic_benchmark"
 CSV_NAME = "scaling.csv"
 PLOT_NAME = "scaling.png"
-TAIL_LINES = 25
-
-
-class ScalingError(RuntimeError):
-    """The study cannot go on; the message says which job and what to do."""
-
-
-# --- the jobs ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StudySettings:
-    """What ``hora bench scaling`` runs and where it writes.
-
-    Attributes:
-        world_sizes: the ``np`` of each job, ascending.
-        models: the benchmark's models, in the table's order.
-        batch_size: per worker.
-        num_iters: timed iterations per job.
-        num_batches_per_iter: batches per timed iteration.
-        num_warmup_batches: batches before timing starts.
-        output_dir: where the table, the plot and each job's files go.
-        threads_per_worker: torch threads in each worker; ``None`` lets the benchmark share
-            each host's cores among its workers.
-        hosts: ``horarun -H`` (``None``: this machine).
-        hostfile: ``horarun --hostfile``.
-        timeline: record each job's timeline to measure its communication share.
-        job_timeout_s: a job running longer is stopped and the study fails.
-        progress: show a progress bar on a terminal.
-    """
-
-    world_sizes: tuple[int, ...] = (1, 2, 4)
-    models: tuple[str, ...] = ("resnet",)
-    batch_size: int = 32
-    num_iters: int = 10
-    num_batches_per_iter: int = 8
-    num_warmup_batches: int = 5
-    output_dir: Path = Path("hora-scaling")
-    threads_per_worker: int | None = None
-    hosts: str | None = None
-    hostfile: str | None = None
-    timeline: bool = True
-    job_timeout_s: float = 900.0
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class Job:
-    """One run of the benchmark: a model at a world size, and the files it writes."""
-
-    model: str
-    workers: int
-    output_dir: Path
-
-    @property
-    def name(self) -> str:
-        return f"{self.model}-np{self.workers}"
-
-    @property
-    def result_path(self) -> Path:
-        return self.output_dir / f"{self.name}.result.json"
-
-    @property
-    def timeline_path(self) -> Path:
-        return self.output_dir / f"{self.name}.timeline.json"
-
-    @property
-    def log_path(self) -> Path:
-        return self.output_dir / f"{self.name}.log"
-
-    def command(self, settings: StudySettings) -> list[str]:
-        """``horarun`` running the benchmark, both under this Python."""
-        launcher = [sys.executable, "-m", "hora.runner.launch", "-np", str(self.workers)]
-        if settings.hostfile is not None:
-            launcher += ["--hostfile", settings.hostfile]
-        elif settings.hosts is not None:
-            launcher += ["-H", settings.hosts]
-        return [
-            *launcher,
-            sys.executable,
-            "-m",
-            BENCHMARK_MODULE,
-            *("--model", self.model, "--batch-size", str(settings.batch_size)),
-            *("--num-warmup-batches", str(settings.num_warmup_batches)),
-            *("--num-batches-per-iter", str(settings.num_batches_per_iter)),
-            *("--num-iters", str(settings.num_iters)),
-            *("--json", str(self.result_path.resolve())),
-            *(
-                ["--threads-per-worker", str(settings.threads_per_worker)]
-                if settings.threads_per_worker is not None
-                else []
-            ),
-        ]
-
-    def environment(self, settings: StudySettings) -> dict[str, str]:
-        """This environment, with the job's timeline (or none) and this hora importable."""
-        env = dict(os.environ)
-        for name in TIMELINE.environ_names:
-            env.pop(name, None)
-        if settings.timeline:
-            env[TIMELINE.env] = str(self.timeline_path.resolve())
-        # The workers import the hora that runs this study, even from a checkout that is not
-        # installed (python -m puts only the working folder on sys.path).
-        package_root = Path(__file__).resolve().parents[2]
-        if package_root.name not in ("site-packages", "dist-packages"):
-            path = [str(package_root), env.get("PYTHONPATH", "")]
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-        return env
-
-    def remove_outputs(self) -> None:
-        """Delete what an earlier run of this job left, so that nothing stale is read."""
-        timeline = self.timeline_path
-        stale = [self.result_path, self.log_path, timeline]
-        stale += timeline.parent.glob(f"{timeline.stem}.rank*{timeline.suffix}")
-        for path in stale:
-            path.unlink(missing_ok=True)
-
-
-def _stop(process: subprocess.Popen[str], grace_s: float = 20.0) -> None:
-    """End ``horarun``: SIGTERM lets it stop its workers; SIGKILL if it does not in time."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def run_job(job: Job, settings: StudySettings, on_output: Callable[[str], None]) -> Measurement:
-    """Run ``job`` through ``horarun``; its output goes to ``job.log_path``.
-
-    Args:
-        job: the model and world size.
-        settings: the study's settings.
-        on_output: called with each line of the job's output as it comes (for progress only:
-            the figures come from the result file).
-
-    Returns:
-        The job's figures, without the communication share.
-
-    Raises:
-        ScalingError: the job failed, ran past the timeout, or wrote no usable result.
-    """
-    job.remove_outputs()
-    command = job.command(settings)
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
-    timed_out = threading.Event()
-
-    def expire() -> None:
-        timed_out.set()
-        _stop(process)
-
-    with safe_files.create(job.log_path, buffering=1) as log:
-        log.write("$ " + " ".join(command) + "\n")
-        log.flush()
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=job.environment(settings),
-            text=True,
-            bufsize=1,
-        )
-        timer = threading.Timer(settings.job_timeout_s, expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            for line in process.stdout or ():
-                log.write(line)
-                tail.append(line.rstrip("\n"))
-                on_output(line.rstrip("\n"))
-            code = process.wait()
-        finally:
-            timer.cancel()
-            _stop(process)  # on Ctrl-C or an error above; a no-op once the job has ended
-    if timed_out.is_set():
-        raise ScalingError(
-            _job_failure(job, f"ran past --job-timeout {settings.job_timeout_s:g} s", tail)
-            + "\nRaise --job-timeout, or use fewer --num-iters, for a longer study."
-        )
-    if code != 0:
-        raise ScalingError(_job_failure(job, f"failed (horarun exited with {code})", tail))
-    return _read_result(job, tail)
-
-
-def _job_failure(job: Job, what: str, tail: Sequence[str]) -> str:
-    shown = "\n".join(f"    {line}" for line in tail) or "    (no output)"
-    return (
-        f"hora bench scaling: the {job.model} job at np={job.workers} {what}.\n"
-        f"Last lines of its output:\n{shown}\n"
-        f"Its whole output is in {job.log_path}; the command is on that file's first line, to run "
-        "it alone."
-    )
-
-
-def _read_result(job: Job, tail: Sequence[str]) -> Measurement:
-    try:
-        result = json.loads(job.result_path.read_text())
-    except FileNotFoundError:
-        raise ScalingError(
-            _job_failure(job, f"ended without writing its result to {job.result_path}", tail)
-            + "\nRank 0 writes it: with -H or --hostfile, --output-dir must be on a file system "
-            "that rank 0's host (the first one) shares with this machine."
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ScalingError(
-            f"{job.result_path} is not valid JSON ({exc}); run the study again."
-        ) from exc
-    try:
-        return Measurement.from_result(result)
-    except (KeyError, ValueError, TypeError, ZeroDivisionError) as exc:
-        raise ScalingError(f"{job.result_path} cannot be read: {exc}.") from exc
-
-
-def communication_share(timeline_path: Path) -> tuple[float | None, str | None]:
-    """The communication share of the job whose timeline is at ``timeline_path``.
-
-    Returns:
-        ``(share, None)``, or ``(None, why it is unavailable)``.
-    """
-    if not timeline_path.exists():
-        return None, (
-            f"the job wrote no timeline at {timeline_path} (HORA_TIMELINE); with -H or "
-            "--hostfile, rank 0 writes it on the first host, which must share --output-dir with "
-            "this machine"
-        )
-    try:
-        summary = timeline.summarize(timeline.load(timeline_path))
-    except Exception as exc:  # the table is still worth having without it
-        return None, f"{timeline_path} cannot be summarized ({type(exc).__name__}: {exc})"
-    if summary.comm_share is None:
-        # The summarizer's warning, less what it says about its own report.
-        why = summary.warnings[-1].split("; ")[0] if summary.warnings else "no training steps"
-        return None, f"{timeline_path} gives no communication share: {why}"
-    return summary.comm_share, None
-
-
-# --- the study --------------------------------------------------------------------------------
-
 
 # Rank 0's lines (as horarun prefixes them) that show how far a job has got.
 _PHASES = {"[0]<stdout>:Running warmup...": "warmup", "[0]<stdout>:Running benchmark...": "timing"}
@@ -353,6 +126,17 @@ def run_study(settings: StudySettings, out: TextIO | None = None) -> list[Row]:
         for model in settings.models
         for workers in settings.world_sizes
     ]
+    measurements, notes = _measure(jobs, settings)
+    rows = scaling_rows(measurements)
+    _report(rows, notes, settings, out)
+    return rows
+
+
+def _measure(
+    jobs: list[Job], settings: StudySettings
+) -> tuple[list[Measurement], dict[str, list[str]]]:
+    """Every job's figures, in order, and why a job's communication share is missing (each
+    reason once, with the jobs it applies to)."""
     measurements = []
     notes: dict[str, list[str]] = {}
     progress = _Progress(settings, len(jobs))
@@ -371,7 +155,13 @@ def run_study(settings: StudySettings, out: TextIO | None = None) -> list[Row]:
             progress.finish(job, measurement, time.monotonic() - started)
     finally:
         progress.close()
-    rows = scaling_rows(measurements)
+    return measurements, notes
+
+
+def _report(
+    rows: list[Row], notes: dict[str, list[str]], settings: StudySettings, out: TextIO
+) -> None:
+    """Print the table with its caption, legend and notes; write the CSV and the plot."""
     csv_path = settings.output_dir / CSV_NAME
     write_csv(rows, csv_path)
     print(_caption(settings), file=out)
@@ -398,7 +188,6 @@ def run_study(settings: StudySettings, out: TextIO | None = None) -> list[Row]:
         )
     else:
         print(f"Wrote {plot_path}", file=out)
-    return rows
 
 
 def _caption(settings: StudySettings) -> str:
@@ -442,9 +231,6 @@ def _plot_title(settings: StudySettings) -> str:
         f"hora synthetic benchmark on {where}: batch {settings.batch_size} per worker, "
         f"{settings.num_iters}x{settings.num_batches_per_iter} batches{threads}"
     )
-
-
-# --- the command line -------------------------------------------------------------------------
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
@@ -493,6 +279,12 @@ def add_parser(studies: Any) -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``hora bench scaling``'s flags."""
     defaults = StudySettings()
+    _add_workload_arguments(parser, defaults)
+    _add_where_arguments(parser, defaults)
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser, defaults: StudySettings) -> None:
+    """What each job runs: the world sizes, the models, the batches and iterations."""
     parser.add_argument(
         "--np",
         dest="world_sizes",
@@ -539,6 +331,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"batches before timing starts (default {defaults.num_warmup_batches})",
     )
+
+
+def _add_where_arguments(parser: argparse.ArgumentParser, defaults: StudySettings) -> None:
+    """Where the jobs run and write, and how the study follows them."""
     parser.add_argument(
         "--output-dir",
         type=Path,
