@@ -237,6 +237,45 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     model_class, make_batch, unit = MODELS[args.model]
     model = model_class().to(device)
+    optimizer = distributed_optimizer(model, args)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    # One batch, made once: the benchmark measures training steps, not data loading.
+    data = make_batch(args.batch_size).to(device)
+    target = torch.randint(0, NUM_CLASSES, (args.batch_size,)).to(device)
+    step = training_step(model, optimizer, data, target)
+
+    parameters = sum(p.numel() for p in model.parameters())
+    log_setup(args, parameters, device)
+
+    log("Running warmup...")
+    timed_batches(step, args.num_warmup_batches, device)
+
+    log("Running benchmark...")
+    seconds_per_iter, rates = timed_iterations(step, args, device, unit)
+    mean, interval = mean_and_interval(rates)
+    label = unit.capitalize()
+    log(f"{label}/sec per worker: {mean:.1f} +-{interval:.1f}")
+    log(
+        f"Total {unit}/sec on {hvd.size()} worker(s): "
+        f"{hvd.size() * mean:.1f} +-{hvd.size() * interval:.1f}"
+    )
+    if args.json is not None and hvd.rank() == 0:
+        figures = {
+            "parameters": parameters,
+            "unit": unit,
+            "workers": hvd.size(),
+            "threads_per_worker": torch.get_num_threads(),
+            "device": device.type,
+            "host": socket.gethostname(),
+        }
+        write_result(args.json, json_result(args, figures, seconds_per_iter, rates))
+    hvd.shutdown()
+
+
+def distributed_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD wrapped in ``hvd.DistributedOptimizer``, with the flags' compression and reduction."""
     # Horovod's benchmark scales the learning rate by the number of workers, as training would;
     # Adasum combines gradients without that scaling.
     lr_scaler = 1 if args.use_adasum else hvd.size()
@@ -248,12 +287,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         compression=compression,
         op=hvd.Adasum if args.use_adasum else hvd.Average,
     )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return optimizer
 
-    # One batch, made once: the benchmark measures training steps, not data loading.
-    data = make_batch(args.batch_size).to(device)
-    target = torch.randint(0, NUM_CLASSES, (args.batch_size,)).to(device)
+
+def training_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor, target: torch.Tensor
+) -> Callable[[], None]:
+    """One full training step on the batch: forward, backward, optimizer update."""
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
@@ -261,16 +301,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         loss.backward()
         optimizer.step()
 
-    def timed_batches(count: int) -> float:
-        """Seconds for ``count`` steps, the GPU's queued work included."""
-        start = time.perf_counter()
-        for _ in range(count):
-            benchmark_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+    return benchmark_step
 
-    parameters = sum(p.numel() for p in model.parameters())
+
+def timed_batches(step: Callable[[], None], count: int, device: torch.device) -> float:
+    """Seconds for ``count`` steps, the GPU's queued work included."""
+    start = time.perf_counter()
+    for _ in range(count):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def log_setup(args: argparse.Namespace, parameters: int, device: torch.device) -> None:
+    """Rank 0's lines on what is measured: the model, batch, workers, device and gradients."""
     log(f"Model: {args.model} ({parameters / 1e6:.2f}M parameters)")
     log(f"Batch size: {args.batch_size}")
     log(f"Number of workers: {hvd.size()} ({torch.get_num_threads()} thread(s) each)")
@@ -278,54 +323,53 @@ def main(argv: Sequence[str] | None = None) -> None:
     log(f"Gradient compression: {'fp16' if args.fp16_allreduce else 'none'}")
     log(f"Gradient reduction: {'Adasum' if args.use_adasum else 'average'}")
 
-    log("Running warmup...")
-    timed_batches(args.num_warmup_batches)
 
-    log("Running benchmark...")
+def timed_iterations(
+    step: Callable[[], None], args: argparse.Namespace, device: torch.device, unit: str
+) -> tuple[list[float], list[float]]:
+    """The timed iterations: the seconds of each, and its rate per worker (logged as it ends)."""
     seconds_per_iter = []
     rates = []
     for iteration in range(args.num_iters):
-        seconds = timed_batches(args.num_batches_per_iter)
+        seconds = timed_batches(step, args.num_batches_per_iter, device)
         rate = args.batch_size * args.num_batches_per_iter / seconds
         log(f"Iter #{iteration}: {rate:.1f} {unit}/sec per worker")
         seconds_per_iter.append(seconds)
         rates.append(rate)
+    return seconds_per_iter, rates
 
-    mean = statistics.mean(rates)
-    interval = 1.96 * statistics.pstdev(rates)
-    label = unit.capitalize()
-    log(f"{label}/sec per worker: {mean:.1f} +-{interval:.1f}")
-    log(
-        f"Total {unit}/sec on {hvd.size()} worker(s): "
-        f"{hvd.size() * mean:.1f} +-{hvd.size() * interval:.1f}"
-    )
-    if args.json is not None and hvd.rank() == 0:
-        write_result(
-            args.json,
-            {
-                "format": RESULT_FORMAT,
-                "model": args.model,
-                "parameters": parameters,
-                "unit": unit,
-                "workers": hvd.size(),
-                "threads_per_worker": torch.get_num_threads(),
-                "device": device.type,
-                "host": socket.gethostname(),
-                "batch_size": args.batch_size,
-                "num_warmup_batches": args.num_warmup_batches,
-                "num_batches_per_iter": args.num_batches_per_iter,
-                "num_iters": args.num_iters,
-                "fp16_allreduce": args.fp16_allreduce,
-                "use_adasum": args.use_adasum,
-                "seconds_per_iter": seconds_per_iter,
-                "rate_per_worker": rates,
-                "rate_per_worker_mean": mean,
-                "rate_per_worker_interval": interval,
-                "rate_total_mean": hvd.size() * mean,
-                "rate_total_interval": hvd.size() * interval,
-            },
-        )
-    hvd.shutdown()
+
+def mean_and_interval(rates: list[float]) -> tuple[float, float]:
+    """The mean rate and the half-width of its 95% interval (1.96 standard deviations)."""
+    return statistics.mean(rates), 1.96 * statistics.pstdev(rates)
+
+
+def json_result(
+    args: argparse.Namespace,
+    figures: dict[str, Any],
+    seconds_per_iter: list[float],
+    rates: list[float],
+) -> dict[str, Any]:
+    """The ``--json`` file's content: the flags, ``figures`` (the model's size, the unit, where
+    it ran) and the measurements, in the file's layout (:data:`RESULT_FORMAT`)."""
+    mean, interval = mean_and_interval(rates)
+    return {
+        "format": RESULT_FORMAT,
+        "model": args.model,
+        **figures,
+        "batch_size": args.batch_size,
+        "num_warmup_batches": args.num_warmup_batches,
+        "num_batches_per_iter": args.num_batches_per_iter,
+        "num_iters": args.num_iters,
+        "fp16_allreduce": args.fp16_allreduce,
+        "use_adasum": args.use_adasum,
+        "seconds_per_iter": seconds_per_iter,
+        "rate_per_worker": rates,
+        "rate_per_worker_mean": mean,
+        "rate_per_worker_interval": interval,
+        "rate_total_mean": figures["workers"] * mean,
+        "rate_total_interval": figures["workers"] * interval,
+    }
 
 
 if __name__ == "__main__":

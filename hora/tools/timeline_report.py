@@ -15,7 +15,14 @@ import sys
 from collections.abc import Sequence
 
 from hora.tools.arguments import positive
-from hora.tools.timeline import Summary, TimelineError, load, summarize, write_merged
+from hora.tools.timeline import (
+    FusionSummary,
+    Summary,
+    TimelineError,
+    load,
+    summarize,
+    write_merged,
+)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
@@ -110,125 +117,130 @@ def format_summary(s: Summary, top: int = 10) -> str:
     parts.append("")
     parts += _answers(s)
     if s.has_steps:
-        rows = [
-            [
-                str(r.rank),
-                str(r.steps),
-                _fmt_ms(r.step_ms_median),
-                _fmt_ms(r.backward_ms_median),
-                _fmt_ms(r.optimizer_step_ms_median),
-                _fmt_ms(r.comm_ms_per_step_median),
-                _fmt_share(r.comm_share),
-                _fmt_share(r.overlap_share),
-            ]
-            for r in s.per_rank
-        ]
-        rows.append(
-            [
-                "all",
-                str(sum(r.steps for r in s.per_rank)),
-                _fmt_ms(s.step_ms_median),
-                "",
-                "",
-                _fmt_ms(s.comm_ms_per_step_median),
-                _fmt_share(s.comm_share),
-                _fmt_share(s.overlap_share),
-            ]
-        )
-        parts += ["", "Steps (medians in ms; comm = collectives and fusion-buffer copies):"]
-        parts.append(
-            _table(
-                [
-                    "rank",
-                    "steps",
-                    "step",
-                    "backward",
-                    "opt.step",
-                    "comm",
-                    "comm share",
-                    "in backward",
-                ],
-                rows,
-            )
-        )
+        parts += _steps(s)
     if len(s.ranks) > 1:
-        parts += [
-            "",
-            f"Waiting for the last rank to submit ({s.compared_collectives} collectives "
-            "compared; ms):",
-        ]
-        parts.append(
-            _table(
-                ["rank", "calls", "negotiated", "steady", "last", "wait total", "mean", "median"],
-                [
-                    [
-                        str(r.rank),
-                        str(r.calls),
-                        str(r.negotiated_calls),
-                        str(r.steady_calls),
-                        str(r.last_count),
-                        _fmt_ms(r.wait_ms_total),
-                        _fmt_ms(r.wait_ms_mean),
-                        _fmt_ms(r.wait_ms_median),
-                    ]
-                    for r in s.per_rank
-                ],
-            )
-        )
-    if s.tensors:
-        shown = s.tensors[:top]
-        more = len(s.tensors) - len(shown)
-        parts += [
-            "",
-            f"Top {len(shown)} of {len(s.tensors)} tensors by collective time "
-            "(ms per rank, summed over calls):",
-        ]
-        parts.append(
-            _table(
-                ["tensor", "op", "calls", "collective", "per call", "waiting", "fused"],
-                [
-                    [
-                        t.name,
-                        t.op,
-                        str(t.calls),
-                        _fmt_ms(t.collective_ms),
-                        _fmt_ms(t.collective_ms_mean),
-                        _fmt_ms(t.wait_ms),
-                        _fmt_share(t.fused_share),
-                    ]
-                    for t in shown
-                ],
-            )
-        )
-        if more:
-            parts.append(f"  ... and {more} more (--top N shows more).")
-    else:
-        parts += ["", "No collectives were recorded."]
-    f = s.fusion
-    if f is not None:
-        parts += [
-            "",
-            f"Fusion (rank {f.rank}): {f.batches} batches, {f.tensors_per_batch_mean:.1f} tensors "
-            f"per batch (at most {f.tensors_per_batch_max}), "
-            f"{_fmt_bytes(f.bytes_per_batch_mean)} per batch (at most "
-            f"{_fmt_bytes(f.bytes_per_batch_max)}); {_fmt_share(f.fused_call_share)} of calls "
-            "shared their batch with another tensor.",
-        ]
+        parts += _waits(s)
+    parts += _tensors(s, top)
+    if s.fusion is not None:
+        parts += ["", _fusion(s.fusion)]
     if s.per_rank:
-        entries = {r.steady_state_entries for r in s.per_rank}
-        exits = {r.steady_state_exits for r in s.per_rank}
-        steady = sum(r.steady_calls for r in s.per_rank)
-        calls = sum(r.negotiated_calls + r.steady_calls for r in s.per_rank)
-        if len(entries) == 1 and len(exits) == 1:
-            counts = f"entered {entries.pop()} time(s) and left {exits.pop()} time(s) on each rank"
-        else:
-            counts = "entered/left " + ", ".join(
-                f"rank {r.rank}: {r.steady_state_entries}/{r.steady_state_exits}"
-                for r in s.per_rank
-            )
-        share = f"; {_fmt_share(steady / calls)} of calls skipped negotiation" if calls else ""
-        parts.append(f"Steady state: {counts}{share}.")
+        parts.append(_steady_state(s))
     return "\n".join(parts)
+
+
+def _steps(s: Summary) -> list[str]:
+    """The table of training steps: each rank's medians, then all ranks'."""
+    rows = [
+        [
+            str(r.rank),
+            str(r.steps),
+            _fmt_ms(r.step_ms_median),
+            _fmt_ms(r.backward_ms_median),
+            _fmt_ms(r.optimizer_step_ms_median),
+            _fmt_ms(r.comm_ms_per_step_median),
+            _fmt_share(r.comm_share),
+            _fmt_share(r.overlap_share),
+        ]
+        for r in s.per_rank
+    ]
+    rows.append(
+        [
+            "all",
+            str(sum(r.steps for r in s.per_rank)),
+            _fmt_ms(s.step_ms_median),
+            "",
+            "",
+            _fmt_ms(s.comm_ms_per_step_median),
+            _fmt_share(s.comm_share),
+            _fmt_share(s.overlap_share),
+        ]
+    )
+    headers = ["rank", "steps", "step", "backward", "opt.step", "comm", "comm share", "in backward"]
+    return [
+        "",
+        "Steps (medians in ms; comm = collectives and fusion-buffer copies):",
+        _table(headers, rows),
+    ]
+
+
+def _waits(s: Summary) -> list[str]:
+    """The table of waiting for the last rank to submit, per rank."""
+    rows = [
+        [
+            str(r.rank),
+            str(r.calls),
+            str(r.negotiated_calls),
+            str(r.steady_calls),
+            str(r.last_count),
+            _fmt_ms(r.wait_ms_total),
+            _fmt_ms(r.wait_ms_mean),
+            _fmt_ms(r.wait_ms_median),
+        ]
+        for r in s.per_rank
+    ]
+    headers = ["rank", "calls", "negotiated", "steady", "last", "wait total", "mean", "median"]
+    return [
+        "",
+        f"Waiting for the last rank to submit ({s.compared_collectives} collectives compared; ms):",
+        _table(headers, rows),
+    ]
+
+
+def _tensors(s: Summary, top: int) -> list[str]:
+    """The ``top`` tensors by collective time, or that there were no collectives."""
+    if not s.tensors:
+        return ["", "No collectives were recorded."]
+    shown = s.tensors[:top]
+    more = len(s.tensors) - len(shown)
+    rows = [
+        [
+            t.name,
+            t.op,
+            str(t.calls),
+            _fmt_ms(t.collective_ms),
+            _fmt_ms(t.collective_ms_mean),
+            _fmt_ms(t.wait_ms),
+            _fmt_share(t.fused_share),
+        ]
+        for t in shown
+    ]
+    lines = [
+        "",
+        f"Top {len(shown)} of {len(s.tensors)} tensors by collective time "
+        "(ms per rank, summed over calls):",
+        _table(["tensor", "op", "calls", "collective", "per call", "waiting", "fused"], rows),
+    ]
+    if more:
+        lines.append(f"  ... and {more} more (--top N shows more).")
+    return lines
+
+
+def _fusion(f: FusionSummary) -> str:
+    """One sentence on the fusion batches of one rank."""
+    return (
+        f"Fusion (rank {f.rank}): {f.batches} batches, {f.tensors_per_batch_mean:.1f} tensors "
+        f"per batch (at most {f.tensors_per_batch_max}), "
+        f"{_fmt_bytes(f.bytes_per_batch_mean)} per batch (at most "
+        f"{_fmt_bytes(f.bytes_per_batch_max)}); {_fmt_share(f.fused_call_share)} of calls "
+        "shared their batch with another tensor."
+    )
+
+
+def _steady_state(s: Summary) -> str:
+    """One sentence on the steady state: how often each rank entered and left it, and the
+    share of calls that skipped negotiation."""
+    entries = {r.steady_state_entries for r in s.per_rank}
+    exits = {r.steady_state_exits for r in s.per_rank}
+    steady = sum(r.steady_calls for r in s.per_rank)
+    calls = sum(r.negotiated_calls + r.steady_calls for r in s.per_rank)
+    if len(entries) == 1 and len(exits) == 1:
+        counts = f"entered {entries.pop()} time(s) and left {exits.pop()} time(s) on each rank"
+    else:
+        counts = "entered/left " + ", ".join(
+            f"rank {r.rank}: {r.steady_state_entries}/{r.steady_state_exits}" for r in s.per_rank
+        )
+    share = f"; {_fmt_share(steady / calls)} of calls skipped negotiation" if calls else ""
+    return f"Steady state: {counts}{share}."
 
 
 # ---------------------------------------------------------------------------------- command
@@ -292,6 +304,13 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+# Every subcommand reads the same files.
+_FILES_HELP = (
+    "the timeline PATH (its .rank<r> files next to it are read too), or several files to "
+    "read exactly"
+)
+
+
 def add_parser(
     commands: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
@@ -303,34 +322,41 @@ def add_parser(
         "PATH.rank<r> siblings, or one merged PATH) and summarize, merge or plot them.",
     )
     sub = timeline.add_subparsers(dest="timeline_command", required=True, metavar="ACTION")
-    files_help = (
-        "the timeline PATH (its .rank<r> files next to it are read too), or several files to "
-        "read exactly"
-    )
+    _add_summarize(sub)
+    _add_merge(sub)
+    _add_plot(sub)
+    timeline.set_defaults(handler=run)
+    return timeline
 
+
+def _add_summarize(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     summary = sub.add_parser(
         "summarize",
         help="step time, communication share, overlap with backward, straggler, top tensors",
         description="Summarize a timeline: how much of a step is communication, whether it "
         "overlaps backward, which rank the others wait for, the costliest tensors and fusion.",
     )
-    summary.add_argument("files", nargs="+", metavar="FILE", help=files_help)
+    summary.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
     summary.add_argument("--json", action="store_true", help="print the summary as JSON")
     summary.add_argument(
         "--top", type=positive, default=10, metavar="N", help="tensors to list (default 10)"
     )
     summary.set_defaults(timeline_handler=_summarize)
 
+
+def _add_merge(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     merge = sub.add_parser(
         "merge",
         help="write all ranks into one Chrome-trace file",
         description="Merge the ranks' files into one Chrome-trace JSON file for Perfetto or "
         "chrome://tracing. Files cut short by a crash are read up to their last whole event.",
     )
-    merge.add_argument("files", nargs="+", metavar="FILE", help=files_help)
+    merge.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
     merge.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
     merge.set_defaults(timeline_handler=_merge)
 
+
+def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plot = sub.add_parser(
         "plot",
         help="draw a few steps of every rank as a PNG (needs matplotlib)",
@@ -338,11 +364,9 @@ def add_parser(
         "per rank, a row of training markers, one of waiting, one of communication. Needs "
         "matplotlib: pip install 'hora[plot]'.",
     )
-    plot.add_argument("files", nargs="+", metavar="FILE", help=files_help)
+    plot.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
     plot.add_argument("-o", "--output", required=True, metavar="OUT.png", help="PNG to write")
     plot.add_argument(
         "--steps", type=positive, default=3, metavar="N", help="steps to draw (default 3)"
     )
     plot.set_defaults(timeline_handler=_plot)
-    timeline.set_defaults(handler=run)
-    return timeline
