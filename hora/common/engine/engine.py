@@ -95,11 +95,7 @@ class Engine:
         self._keys = GenerationKeys(generation)
         self.process_sets = ProcessSetTable(topology.size)
         table = MessageTable(self.process_sets)
-        stall = StallInspector(
-            settings.stall_check_time_s,
-            settings.stall_shutdown_time_s,
-            settings.stall_check_enabled and topology.rank == 0,
-        )
+        stall = self._make_stall_inspector()
         self.intake = Intake()
         self.tracer = Tracer(nvtx_ranges() if settings.enable_nvtx else None)
         # What the engine did, for live metrics (hora.common.metrics reads it at step ends).
@@ -110,12 +106,36 @@ class Engine:
             self.rank, lambda: self.intake.failure, self._transport_failed, self.intake.notify
         )
         self._fail_lock = threading.Lock()
-        self._parking = Parking(
+        self._parking = self._make_parking(table, stall)
+        self._communicators = self._make_communicators(
+            communicator_factory, device_communicator_factory
+        )
+        self.replay = self._make_replay()
+        self._cycle = self._make_cycle(table, stall)
+        for ranks in process_sets or []:
+            set_id = self.process_sets.reserve_id()
+            self._communicators.register(set_id, ranks)
+
+    # ----------------------------------------------------------------- building the parts
+    # Steps of __init__, in the order it takes them: each part is built from those before it.
+
+    def _make_stall_inspector(self) -> StallInspector:
+        """Rank 0's watch over tensors that some ranks submitted and others did not."""
+        settings = self.settings
+        return StallInspector(
+            settings.stall_check_time_s,
+            settings.stall_shutdown_time_s,
+            settings.stall_check_enabled and self.topology.rank == 0,
+        )
+
+    def _make_parking(self, table: MessageTable, stall: StallInspector) -> Parking:
+        """When idle ranks park, and their sleep on the store's doorbell."""
+        return Parking(
             self.intake,
-            settings,
+            self.settings,
             self.rank,
             self.size,
-            store,
+            self._store,
             self._keys,
             self.tracer,
             table,
@@ -123,30 +143,44 @@ class Engine:
             self._watch,
             self._failure_seen,
         )
-        self._communicators = Communicators(
+
+    def _make_communicators(
+        self,
+        communicator_factory: Callable[[str, int, int], Communicator],
+        device_communicator_factory: Callable[[str, int, int, torch.device], Communicator | None]
+        | None,
+    ) -> Communicators:
+        """Each process set's communicators (made when a set is registered or first used)."""
+        return Communicators(
             self.rank,
             self.size,
-            topology.local_rank,
+            self.topology.local_rank,
             self._keys,
             self.process_sets,
             communicator_factory,
             device_communicator_factory,
         )
-        self.replay = Replay(
+
+    def _make_replay(self) -> Replay:
+        """The steady state, on the global set's communicators."""
+        return Replay(
             self.intake,
-            settings,
+            self.settings,
             self.rank,
             self.size,
             lambda device: self._communicators.for_batch(0, device, None),
             self._communicators.control,
-            store,
+            self._store,
             self._keys,
             self.tracer,
             self._failure_seen,
             self.counters,
         )
-        self._cycle = Cycle(
-            settings,
+
+    def _make_cycle(self, table: MessageTable, stall: StallInspector) -> Cycle:
+        """One negotiated cycle, over every part built before it."""
+        return Cycle(
+            self.settings,
             self.rank,
             self.size,
             self.intake,
@@ -160,9 +194,6 @@ class Engine:
             table,
             stall,
         )
-        for ranks in process_sets or []:
-            set_id = self.process_sets.reserve_id()
-            self._communicators.register(set_id, ranks)
 
     # ----------------------------------------------------------------- lifecycle
 
