@@ -10,6 +10,9 @@ their gradient with ``tf.custom_gradient``:
 - broadcast: the gradient is averaged over the ranks and reaches the root only;
 - alltoall: the gradient travels back with the splits each rank received;
 - reducescatter: the gradient is allgathered (scaled as the forward pass scaled).
+
+``join``, ``barrier`` and the ``*_op`` ops, which move no tensor of the caller's, are
+:mod:`hora.tensorflow.runtime_ops`'s, re-exported here where Horovod has them.
 """
 
 from __future__ import annotations
@@ -28,15 +31,22 @@ from hora.common.errors import HoraValueError
 from hora.common.message import RequestType
 from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
-from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, run_python, session_graph
+from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, session_graph
 from hora.tensorflow.compression import Compression
+from hora.tensorflow.runtime_ops import PROCESS_SET_ERROR_INIT as PROCESS_SET_ERROR_INIT
+from hora.tensorflow.runtime_ops import (
+    PROCESS_SET_ERROR_UNKNOWN_SET as PROCESS_SET_ERROR_UNKNOWN_SET,
+)
+from hora.tensorflow.runtime_ops import barrier as barrier
+from hora.tensorflow.runtime_ops import join as join
+from hora.tensorflow.runtime_ops import local_rank_op as local_rank_op
+from hora.tensorflow.runtime_ops import local_size_op as local_size_op
+from hora.tensorflow.runtime_ops import process_set_included_op as process_set_included_op
+from hora.tensorflow.runtime_ops import rank_op as rank_op
+from hora.tensorflow.runtime_ops import size_op as size_op
 
 # Unsigned types the engine does not reduce; they are reduced as int64.
 _WIDENED = (tf.uint16, tf.uint32)
-
-# process_set_included_op's answers when it cannot say 0 or 1 (Horovod's codes).
-PROCESS_SET_ERROR_INIT = -1
-PROCESS_SET_ERROR_UNKNOWN_SET = -3
 
 
 def _tensors(values: Sequence[Any]) -> list[tf.Tensor]:
@@ -544,77 +554,3 @@ def grouped_reducescatter(
         True,
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
-
-
-# ---------------------------------------------------------------- synchronization and ops
-
-
-def join() -> tf.Tensor:
-    """Tell the other ranks this rank has no more data; wait until every rank has joined.
-
-    Returns the last rank to join (an int32 scalar tensor, the same on every rank).
-    """
-    return run_python(collectives.join, tf.int32, "join", waits=True)
-
-
-def barrier(process_set: ProcessSet = global_process_set) -> tf.Operation | None:
-    """Block until every rank of ``process_set`` has called ``barrier``.
-
-    In a ``tf.compat.v1`` graph it returns the op to run (``session.run(hvd.barrier())``);
-    eagerly and inside ``tf.function`` it returns ``None`` (a ``tf.function`` runs it in
-    program order).
-    """
-    if tf.executing_eagerly():
-        collectives.barrier(process_set)
-        return None
-
-    def wait() -> int:
-        collectives.barrier(process_set)
-        return 0
-
-    done = run_python(wait, tf.int32, "barrier", waits=True)
-    return done.op if session_graph() is not None else None
-
-
-def _set_size(process_set_id: int) -> int:
-    return len(basics.engine().process_sets.members(process_set_id))
-
-
-def _included(process_set_id: int) -> int:
-    if not basics.is_initialized():
-        return PROCESS_SET_ERROR_INIT
-    table = basics.engine().process_sets
-    if not table.contains(process_set_id):
-        return PROCESS_SET_ERROR_UNKNOWN_SET
-    return int(basics.rank() in table.members(process_set_id))
-
-
-def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """The number of ranks (of a process set), as an int32 tensor computed when it runs."""
-    del name
-    return run_python(lambda: _set_size(process_set_id), tf.int32, "size_op")
-
-
-def local_size_op(name: str | None = None) -> tf.Tensor:
-    """The number of ranks on this host, as an int32 tensor computed when it runs."""
-    del name
-    return run_python(basics.local_size, tf.int32, "local_size_op")
-
-
-def rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank, as an int32 tensor computed when it runs."""
-    del name
-    return run_python(basics.rank, tf.int32, "rank_op")
-
-
-def local_rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank on its host, as an int32 tensor computed when it runs."""
-    del name
-    return run_python(basics.local_rank, tf.int32, "local_rank_op")
-
-
-def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """1 if this rank belongs to the process set, 0 if not, -1 before ``init``, -3 for an
-    unknown set (Horovod's codes); an int32 tensor computed when it runs."""
-    del name
-    return run_python(lambda: _included(process_set_id), tf.int32, "process_set_included_op")
