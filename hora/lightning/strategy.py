@@ -27,13 +27,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 import hora.torch as hvd
 from hora.common import basics
 from hora.lightning._compat import (
     ClusterEnvironment,
-    LayerSync,
     LightningModule,
     LightningOptimizer,
     ParallelStrategy,
@@ -42,6 +40,7 @@ from hora.lightning._compat import (
     rank_zero_only,
 )
 from hora.lightning.environment import HoraEnvironment
+from hora.lightning.layer_sync import HoraSyncBatchNorm
 
 log = logging.getLogger(__name__)
 
@@ -156,56 +155,6 @@ def _delegating(cls: type) -> type:
     return type(cls.__name__, (cls,), namespace)
 
 
-class _HoraSyncBatchNorm(LayerSync):
-    """``Trainer(sync_batchnorm=True)`` for hora: batch norm layers become
-    :class:`hora.torch.SyncBatchNorm` (``torch.nn.SyncBatchNorm`` needs ``torch.distributed``);
-    :meth:`revert` turns back only the layers :meth:`apply` converted."""
-
-    def __init__(self) -> None:
-        self._converted: set[int] = set()
-
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self._convert(model, to_sync=True)
-
-    def revert(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = self._convert(model, to_sync=False)
-        self._converted.clear()
-        return model
-
-    def _convert(self, module: torch.nn.Module, to_sync: bool) -> torch.nn.Module:
-        converted = module
-        if to_sync:
-            wanted = isinstance(module, _BatchNorm) and not isinstance(module, hvd.SyncBatchNorm)
-        else:
-            wanted = id(module) in self._converted
-        if wanted:
-            assert isinstance(module, _BatchNorm)
-            cls: Any = hvd.SyncBatchNorm if to_sync else _BatchNormXd
-            converted = cls(
-                module.num_features, module.eps, module.momentum, module.affine,
-                module.track_running_stats,
-            )  # fmt: skip
-            if module.affine:
-                converted.weight = module.weight
-                converted.bias = module.bias
-            converted.running_mean = module.running_mean
-            converted.running_var = module.running_var
-            converted.num_batches_tracked = module.num_batches_tracked
-            converted.train(module.training)
-            if to_sync:
-                self._converted.add(id(converted))
-        for name, child in module.named_children():
-            converted.add_module(name, self._convert(child, to_sync))
-        return converted
-
-
-class _BatchNormXd(_BatchNorm):
-    """A batch norm for any input rank (what a synchronised layer reverts to)."""
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        return
-
-
 class HoraStrategy(ParallelStrategy):
     """Data-parallel training with hora: one process per device, started by a launcher.
 
@@ -278,7 +227,7 @@ class HoraStrategy(ParallelStrategy):
         self._hora_optimizers: list[Any] = []
         self._stepping = False
         self._interrupted = False
-        self._synced_layers: _HoraSyncBatchNorm | None = None
+        self._synced_layers: HoraSyncBatchNorm | None = None
 
     # ------------------------------------------------------------------ topology
 
@@ -364,7 +313,7 @@ class HoraStrategy(ParallelStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
-            self._synced_layers = _HoraSyncBatchNorm()
+            self._synced_layers = HoraSyncBatchNorm()
             model = self._synced_layers.apply(model)
         return model
 
