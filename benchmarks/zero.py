@@ -39,8 +39,9 @@ takes one untimed step, then times ``--steps`` steps. The modes' blocks alternat
 * bytes on the wire per step and rank, in the ring model that Gloo and NCCL follow (an
   allreduce of ``B`` bytes sends ``2 (N-1)/N B`` from every rank, a reducescatter of ``B`` or
   an allgather into ``B`` sends ``(N-1)/N B``, a broadcast ``(N-1)/N B`` on average), from the
-  bytes that entered collectives: hora's allreduces from its engine's counters, the sharded
-  optimizer's reducescatters and allgathers counted where it submits them (a wrapper around
+  bytes that entered collectives: hora's allreduces from its engine's counters (less the
+  reducescatter inputs, which they count too), the sharded optimizer's reducescatters and
+  allgathers counted where it submits them (a wrapper around
   ``hora.torch.ops.reducescatter_async`` and ``allgather_async``), and torch-zero's DDP
   allreduce and parameter broadcasts from the parameters' sizes (torch counts no bytes). On one
   host hora moves these bytes through shared memory; the figure is what a network would carry.
@@ -149,7 +150,8 @@ def count_submissions() -> None:
 
 
 def allreduced_bytes() -> int:
-    """Bytes of allreduce results hora's engine has counted since it started."""
+    """Bytes hora's engine has counted as reduced since it started: allreduce results and
+    reducescatter inputs."""
     totals, _ = basics.engine().counters.take()
     return totals.reduced_bytes
 
@@ -308,8 +310,9 @@ def run_block(
         parameter_bytes = sum(p.numel() * p.element_size() for p in built.model.parameters())
         wire = steps * (2 * share * parameter_bytes + share * parameter_bytes)
     else:
-        reduced = allreduced_bytes() - allreduced
         scattered = SUBMITTED.reducescatter - submitted.reducescatter
+        # The engine's counter holds the reducescatters' inputs too: the rest was allreduced.
+        reduced = allreduced_bytes() - allreduced - scattered
         gathered = summed(SUBMITTED.allgather - submitted.allgather)
         wire = 2 * share * reduced + share * scattered + share * gathered
     samples.wire.append(wire / steps)
