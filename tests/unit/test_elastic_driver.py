@@ -408,6 +408,31 @@ def test_stopping_and_left_out_processes_are_not_survivors_and_hold_their_slots(
 
 
 @pytest.mark.timeout(10)
+def test_slots_taken_out_are_left_out_of_the_order() -> None:
+    order = order_workers(["a:0", "a:1", "a:2"], {"a:0", "a:2"}, set(), [("a", 3)], out=["a:1"])
+    assert order == ["a:0", "a:2"]
+    assert order_workers([], set(), set(), [("a", 2), ("b", 1)], out=["a:0"]) == ["a:1", "b:0"]
+
+
+@pytest.mark.timeout(10)
+def test_usable_slots_leave_out_blacklisted_hosts_and_slots_taken_out() -> None:
+    clock = _Clock()
+    manager = HostManager(Blacklist(cooldown=(5.0, 5.0), clock=clock, rand=lambda: 0.0))
+    manager.update([Host("a", 2), Host("b", 1), Host("c", 1)])
+    manager.slots_out.add("a:1")
+    manager.slots_out.add("c:0")
+    manager.blacklist.add("c")
+    assert manager.out() == ["a:1"]  # c:0's host is out anyway
+    assert manager.usable() == [("a", 1), ("b", 1)]
+    assert manager.usable_slots(without="a") == 1
+    manager.update([Host("a", 1), Host("b", 1)])  # a shrank: a:1 no longer exists
+    assert manager.out() == []
+    clock.now += 5.0
+    manager.update([Host("a", 2), Host("b", 1)])
+    assert manager.out() == [] and manager.usable_slots() == 3  # a:1's cooldown is over
+
+
+@pytest.mark.timeout(10)
 def test_update_flags_and_description() -> None:
     assert update_flags(["a:0"], ["a:0", "b:0"]) == protocol.HOSTS_ADDED
     assert update_flags(["a:0", "b:0"], ["a:0"]) == protocol.HOSTS_REMOVED
@@ -786,6 +811,53 @@ def test_too_few_slots_wait_for_elastic_timeout_then_stop() -> None:
         r"blacklisted hosts: b",
     ):
         h.step(20.0)
+
+
+@pytest.mark.timeout(20)
+def test_a_failure_on_the_only_host_takes_out_its_slot_not_the_host() -> None:
+    logging.getLogger("hora.runner").setLevel(logging.INFO)
+    h = _Harness([Host("a", 3)], np=3, min_np=2)
+    h.step()
+    h.spawner.end(1, -9)  # a:1, rank 1, killed
+    h.step()
+    # Blacklisting a would leave no slot: only a:1 is out, a:0 and a:2 go on.
+    plan = h.plan()
+    assert plan.number == 1 and plan.ranked() == ["a:0", "a:2"]
+    assert h.spawner.released == [] and h.spawner.started == ["a:0", "a:1", "a:2"]
+    assert h.told == [
+        "round 1: 2 workers on 1 host, reason: rank 1 (a:1) was killed by SIGKILL; slot a:1 "
+        "taken out (blacklisting host a would leave 0 slots, fewer than --min-np 2)"
+    ]
+    assert h.driver.manager.blacklist.hosts() == [] and h.driver.manager.out() == ["a:1"]
+
+
+@pytest.mark.timeout(20)
+def test_a_slot_taken_out_comes_back_after_its_cooldown() -> None:
+    h = _Harness([Host("a", 2)], np=2, min_np=1, cooldown=(10.0, 10.0))
+    h.step()
+    h.spawner.end(1, 1)
+    h.step()
+    assert h.plan().ranked() == ["a:0"]
+    h.step(10.0)
+    plan = h.plan()
+    assert plan.number == 2 and plan.ranked() == ["a:0", "a:1"]
+    assert protocol.read_host_update(h.store) == (1, protocol.HOSTS_ADDED)
+
+
+@pytest.mark.timeout(20)
+def test_a_host_is_blacklisted_when_the_others_keep_min_np_slots() -> None:
+    # Horovod's rule whenever the job can spare the host: all of it goes, b:1 is stopped.
+    h = _Harness([Host("a", 2), Host("b", 2)], np=4, min_np=2)
+    h.step()
+    h.spawner.end(2, 1)  # b:0
+    h.step()
+    assert h.plan().ranked() == ["a:0", "a:1"] and h.spawner.released == ["b:1"]
+    # Without a, fewer than --min-np 3 slots would be left: only the slot goes.
+    h = _Harness([Host("a", 2), Host("b", 2)], np=4, min_np=3)
+    h.step()
+    h.spawner.end(2, 1)
+    h.step()
+    assert h.plan().ranked() == ["a:0", "a:1", "b:1"] and h.spawner.released == []
 
 
 @pytest.mark.timeout(20)

@@ -201,22 +201,20 @@ class Driver:
             logger.debug("could not record the end of rank %d in the store: %s", failure.rank, exc)
 
     def _blacklist_for(self, failure: Failure, how: str) -> None:
-        host = host_of(failure.worker_id)
         reason = f"rank {failure.rank} ({failure.worker_id}) {how}"
-        blacklist = self.manager.blacklist
-        if not blacklist.blocked(host):
-            delay = blacklist.add(host)
-            span = "for good" if delay is None else f"for {delay:.1f} s"
-            reason += f"; host {host} blacklisted"
-            logger.debug(
-                "blacklisted host %s %s: its worker %s %s", host, span, failure.worker_id, how
-            )
+        taken = self.manager.take_out(failure.worker_id, self.limits.min_np)
+        if taken is not None:
+            reason += f"; {taken.summary}"
+            logger.debug("%s: its worker %s %s", taken.detail, failure.worker_id, how)
             for worker_id, worker in self.procs.newest.items():
                 number = worker.slot.rank
-                if host_of(worker_id) == host and number not in self.procs.handled:
+                if taken.stops(worker_id) and number not in self.procs.handled:
                     if number not in self.procs.released:
                         logger.debug(
-                            "stopping worker %d (%s) on blacklisted %s", number, worker_id, host
+                            "stopping worker %d (%s) on blacklisted %s",
+                            number,
+                            worker_id,
+                            taken.name,
                         )
                     self.procs.release(worker)
         self.rounds.forced.append(reason)
@@ -264,7 +262,9 @@ class Driver:
         stopping = self.procs.stopping()
         previous = plan.ranked() if plan is not None else []
         available = self.manager.available()
-        order = order_workers(previous, running, stopping, available, self.limits.max_np)
+        order = order_workers(
+            previous, running, stopping, available, self.limits.max_np, self.manager.out()
+        )
         if plan is not None and not rounds.forced and set(order) == set(plan.workers):
             rounds.short_since = None
             return

@@ -25,6 +25,7 @@ def order_workers(
     stopping: Collection[str],
     available: Sequence[tuple[str, int]],
     max_np: int | None = None,
+    out: Collection[str] = (),
 ) -> list[str]:
     """The next round's worker ids, in rank order.
 
@@ -38,11 +39,15 @@ def order_workers(
         stopping: ids among ``running`` whose process horarun is stopping (never survivors).
         available: ``(host, slots)`` usable now, in first-seen order.
         max_np: the most workers a round may have (``None``: no limit).
+        out: worker ids of slots taken out of the job (after a failure) on available hosts.
 
     A running process that is not a survivor (one left out of an earlier round and not yet
     ended) keeps its slot out of use until it ends.
     """
-    slots = {host: [f"{host}:{i}" for i in range(count)] for host, count in available}
+    slots = {
+        host: [w for w in (f"{host}:{i}" for i in range(count)) if w not in out]
+        for host, count in available
+    }
     usable = {worker for ids in slots.values() for worker in ids}
     survivors = [w for w in previous if w in usable and w in running and w not in stopping]
     kept = set(survivors)

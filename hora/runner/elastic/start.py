@@ -159,9 +159,11 @@ def plan_elastic(np: int, hosts: HostOptions, elastic: ElasticOptions) -> Elasti
     logger.debug("hosts found: %s", describe_hosts([(h.name, h.slots) for h in first]))
     if isinstance(discovery, StaticDiscovery) and len(first) == 1:
         logger.debug(
-            "every worker runs on one host (%s): a failed worker blacklists it, which ends the "
-            "job. Name more hosts (-H, --hostfile, --host-discovery-script) to survive failures.",
+            "every worker runs on one host (%s): a failed worker takes only its own slot out "
+            "of the job (blacklisting the host would end it), and the job goes on with the "
+            "host's other slots while at least --min-np %d are left.",
             first[0].name,
+            limits.min_np,
         )
     locality = Locality()
     remote = [h.name for h in first if locality.is_remote(h.name)]
