@@ -140,11 +140,56 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
 
 
 def _start_session(state: Runtime, comm: Any, process_sets: list[ProcessSet] | str | None) -> None:
+    """Join the job and start a session; in an elastic job, again in the next round for as long
+    as the round joined is lost while its workers connect (one of them died, say)."""
     dynamic = process_sets == "dynamic"
     sets: list[ProcessSet] = [] if dynamic or process_sets is None else list(process_sets)  # type: ignore[arg-type]
     settings = Settings.from_env()
     if dynamic:
         settings = replace(settings, dynamic_process_sets=True)
+    while True:
+        joined_before = elastic.progress.plan
+        try:
+            _open_session(state, settings, comm, sets)
+            return
+        except RuntimeError as exc:
+            if not _round_lost_while_joining(state, joined_before, exc):
+                raise
+        finally:
+            elastic.formed()
+
+
+def _round_lost_while_joining(
+    state: Runtime, joined_before: elastic.RoundPlan | None, exc: RuntimeError
+) -> bool:
+    """Whether ``exc``, raised while this process joined an elastic round, came from losing that
+    round (a worker died, or a newer round replaced it); if so, it logs why and leaves what was
+    started of the session, and the caller joins the next round.
+
+    The first ``hvd.init()`` of a script runs outside ``hvd.elastic.run``: a lost round must not
+    end it, any more than a failure after it ends the survivors of ``hvd.elastic.run``. Nothing
+    is rolled back: no state was synchronized in a round that never formed.
+    """
+    if not elastic.active():
+        return False
+    plan = elastic.progress.plan
+    if plan is None or plan is joined_before:
+        return False  # it failed before it joined a round: nothing to do with one
+    why = elastic.round_lost()
+    if not why:
+        return False
+    if state.session is not None:
+        _end_session(state, why)
+    logger.info(
+        "round %d was lost while its workers connected (%s); joining the next round",
+        plan.number,
+        why,
+    )
+    logger.debug("what ended the connecting: %s", exc)
+    return True
+
+
+def _open_session(state: Runtime, settings: Settings, comm: Any, sets: list[ProcessSet]) -> None:
     topology, store, generation, mpi_comm = _join_job(state, settings, comm)
     sets = translate_mpi_sets(sets, mpi_comm)
     registered, positions = registered_lists(sets, topology.size, mpi_comm)

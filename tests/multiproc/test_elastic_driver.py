@@ -96,6 +96,48 @@ hvd.shutdown()
 """
 
 
+# The worker named by KILL_ID is killed inside its first hvd.init(): once it has joined round 0
+# (it is past the round's barrier, connecting to the others), after KILL_DELAY_S more. It
+# notes in KILL_MARK whether hvd.init() was still running. The script is a usual elastic one:
+# hvd.init() at the top, then the training function under hvd.elastic.run.
+INIT_KILLED_WORKER = """
+import os, signal, threading, time
+import torch
+import hora.torch as hvd
+from hora.common.job import rounds
+
+me = os.environ["HORA_ELASTIC_ID"]
+
+
+def die_inside_init():
+    while rounds.progress.plan is None:
+        time.sleep(0.0005)
+    time.sleep(float(os.environ["KILL_DELAY_S"]))
+    with open(os.environ["KILL_MARK"], "w") as mark:
+        mark.write("after" if hvd.is_initialized() else "inside")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if me == os.environ["KILL_ID"]:
+    threading.Thread(target=die_inside_init, daemon=True).start()
+hvd.init()
+state = hvd.elastic.TorchState(model=torch.nn.Linear(2, 1), step=0)
+
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 5:
+        hvd.allreduce(torch.ones(1), name="step")
+        state.step += 1
+        state.commit()
+
+
+train(state)
+print(f"{me} size={hvd.size()} round={hvd.elastic.round_number()} steps={state.step}")
+hvd.shutdown()
+"""
+
+
 def _write(tmp_path: Path, name: str, body: str, executable: bool = False) -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
@@ -236,6 +278,50 @@ def test_too_few_slots_stop_the_job_after_the_elastic_timeout(tmp_path: Path) ->
     )
     assert "last worker failure: rank 1 of round 0 (127.0.0.3:0, worker 1" in result.stderr
     assert "    127.0.0.3:0 fails on purpose" in result.stderr
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize(
+    ("np", "hosts", "killed", "delay_s", "env"),
+    [
+        # What users run on one machine: every worker on localhost. The killed worker's slot
+        # goes, the host stays.
+        (2, [], "localhost:1", 0.0, {}),
+        (3, [], "localhost:1", 0.0, {}),
+        # Two "hosts" over Gloo, killed a moment later: while Gloo connects.
+        (2, ["-H", "127.0.0.2:1,127.0.0.3:1"], "127.0.0.3:0", 0.01, {"HORA_SHARED_MEMORY": "0"}),
+    ],
+    ids=["np2-one-host", "np3-one-host", "np2-two-hosts-gloo"],
+)
+def test_a_worker_killed_inside_the_first_init_costs_a_round_not_the_job(
+    tmp_path: Path, np: int, hosts: list[str], killed: str, delay_s: float, env: dict[str, str]
+) -> None:
+    script = _write(tmp_path, "job.py", INIT_KILLED_WORKER)
+    mark = tmp_path / "killed"
+    flags = ["-np", str(np), "--min-np", str(np - 1), *hosts]
+    started = time.monotonic()
+    result = _horarun(
+        tmp_path,
+        flags,
+        script,
+        env={"KILL_ID": killed, "KILL_MARK": str(mark), "KILL_DELAY_S": str(delay_s), **env},
+    )
+    took_s = time.monotonic() - started
+    said = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, said
+    assert mark.read_text() == "inside", said
+    # The survivors went on at the smaller size, in a round after the first, without waiting
+    # out a connection timeout (HORA_GLOO_TIMEOUT_SECONDS, 30 s).
+    finished = re.findall(r"<stdout>:(\S+) size=(\d+) round=(\d+) steps=5$", result.stdout, re.M)
+    assert len(finished) == np - 1, said
+    assert all(size == str(np - 1) and int(number) >= 1 for _, size, number in finished), said
+    assert killed not in [worker for worker, _, _ in finished]
+    assert f"reason: rank 1 ({killed}) was killed by SIGKILL" in result.stderr, said
+    if not hosts:
+        assert f"slot {killed} taken out (blacklisting host localhost" in result.stderr, said
+    assert "blacklisted" not in result.stderr or hosts, said
+    assert "Traceback" not in result.stderr, said
+    assert took_s < 30, said
 
 
 @pytest.mark.timeout(100)

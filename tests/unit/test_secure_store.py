@@ -24,6 +24,7 @@ from hora.common.job.store_protocol import (
     StoreAuthenticationError,
     StoreConnectionError,
     StoreTimeout,
+    StoreWaitEnded,
 )
 from hora.common.job.store_service import StoreServer
 from hora.common.job.torch_store import TorchStore
@@ -121,6 +122,53 @@ def test_torch_gets_its_own_store_errors_and_the_launcher_plain_ones(server: Sto
         store.get("k")
     assert isinstance(lost.value, StoreConnectionError)
     assert isinstance(lost.value.__cause__, OSError)
+
+
+@pytest.mark.timeout(30)
+def test_blocked_reads_end_early_once_their_check_gives_a_reason(server: StoreServer) -> None:
+    reader, writer = _client(server), _client(server)
+    lost = threading.Event()
+    reader.end_waits_when(lambda: "round 3 was lost" if lost.is_set() else "")
+    # Until the check says so, reads behave as without it: values come, timeouts are kept.
+    threading.Timer(0.5, lambda: writer.set("late", b"v")).start()
+    assert reader.get("late") == b"v"
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout, match=r"timed out after 0.5 s"):
+        reader.wait(["never"], timedelta(seconds=0.5))
+    assert 0.45 < time.monotonic() - started < 1.5
+    # Then a read that would wait 20 s ends at the next slice, carrying the reason, through
+    # the TorchStore too (Gloo's rendezvous reads through one).
+    threading.Timer(0.3, lost.set).start()
+    started = time.monotonic()
+    with pytest.raises(StoreWaitEnded, match=r"^round 3 was lost$"):
+        reader.get_within("never", timedelta(seconds=20))
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(StoreWaitEnded):
+        TorchStore(reader).wait(["never"], timedelta(seconds=20))
+    reader.end_waits_when(None)
+    with pytest.raises(StoreTimeout):
+        reader.wait(["never"], timedelta(seconds=0.3))
+
+
+@pytest.mark.timeout(30)
+def test_a_gloo_group_stops_connecting_when_told_to_give_up() -> None:
+    """A member that never comes (a dead peer, as far as Gloo knows) keeps Gloo waiting in C++
+    for its whole timeout; the communicator stops waiting once ``give_up`` gives a reason."""
+    from hora.common.transport import TransportError
+    from hora.common.transport.gloo import GlooCommunicator, make_device
+
+    asked = time.monotonic() + 0.5
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"gave up connecting: member 1 died"):
+        GlooCommunicator(
+            dist.HashStore(),  # a store of torch's own: nothing in it ends its waits
+            0,
+            2,
+            5.0,  # the thread left behind ends then (the test process waits for it at exit)
+            make_device("127.0.0.1", ""),
+            give_up=lambda: "member 1 died" if time.monotonic() > asked else "",
+        )
+    assert time.monotonic() - started < 3.0
 
 
 @pytest.mark.timeout(30)

@@ -192,9 +192,9 @@ def _elastic_loop(
             logger.debug("elastic: a collective failed: %s", exc)
             if not joining:
                 state.restore()
-            # else joining the next round failed (a new worker died while the group formed):
-            # the state was already rolled back, or saved, before that reset, and hora is
-            # not running to restore with.
+            # else joining the next round failed although the round was not lost (hvd.init()
+            # itself joins the round after a lost one): the state was already rolled back, or
+            # saved, before that reset, and hora is not running to restore with.
             _elastic.request_reset()
             cause = "a failed collective; resuming from the last commit"
         except HostsUpdatedInterrupt:

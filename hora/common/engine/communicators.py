@@ -63,7 +63,14 @@ class Communicators:
         self._host_only: set[int] = set()
         self._gpu: torch.device | None = None
         self.control = self._connect("control", 0, rank, size)
-        self._by_set[0] = self._connect("ps0", 0, rank, size)
+        try:
+            self._by_set[0] = self._connect("ps0", 0, rank, size)
+        except BaseException:
+            # No engine will own the control communicator: release it (its shared memory, its
+            # connections) now, not whenever the collector gets to it.
+            self.control.abort()
+            self.control.close()
+            raise
 
     def _connect(self, scope: str, set_id: int, rank: int, size: int) -> Communicator:
         try:

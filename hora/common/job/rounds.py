@@ -24,6 +24,12 @@ took part in, finds its assignment, and meets the round's other workers at a bar
 replaced while its workers gather is abandoned for the newer one. A worker that the newest round
 leaves out (its host was removed) ends with exit status 0.
 
+Past the barrier, ``hvd.init()`` still waits for the round's other workers while they connect
+(the settings they compare, Gloo's rendezvous, shared memory). Until :func:`formed`, every such
+wait on the round's store ends as soon as the round is lost (:func:`lost`: a failure reported in
+it, or a newer round), and :func:`round_lost` tells ``hvd.init()`` to join the next round instead
+of failing: a worker that dies while the others connect costs them a new round, not a timeout.
+
 This module knows the store and the protocol; the driver lives in :mod:`hora.runner.elastic`
 and the worker API (``hvd.elastic``) in :mod:`hora.torch.elastic`.
 """
@@ -39,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from hora.common import settings_table as table
 from hora.common.config import raw, read
 from hora.common.job import store_keys as keys
-from hora.common.job.store import AuthenticationError, StoreClient, tampering
+from hora.common.job.store import AuthenticationError, StoreClient, read_failure, tampering
 from hora.common.job.topology import Topology
 from hora.common.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
 
@@ -59,6 +65,9 @@ HOSTS_REMOVED = 2
 
 # How often a waiting worker looks at the store.
 POLL_S = 0.02
+# How long a worker whose round failed to form waits for the driver to say that the round is lost
+# (a peer's death reaches the survivors' connections a moment before horarun sees the exit).
+LOSS_GRACE_S = 5.0
 
 
 plan_key = keys.elastic_plan
@@ -198,10 +207,18 @@ class WorkerRemoved(SystemExit):
 
 
 class _Progress:
-    """What this process knows across ``hvd.init()`` calls."""
+    """What this process knows across ``hvd.init()`` calls.
+
+    Attributes:
+        last_round: the newest round this process joined (or abandoned).
+        plan: that round's plan.
+        forming: the round's store while ``hvd.init()`` connects to its workers (its waits end
+            when the round is lost); ``None`` once :func:`formed`.
+    """
 
     last_round = -1
     plan: RoundPlan | None = None
+    forming: StoreClient | None = None
 
 
 progress = _Progress()
@@ -242,7 +259,8 @@ def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
     """Wait for a round newer than this process's last one that includes it; meet its workers.
 
     Returns:
-        This worker's topology in the round, and a store client under the round's prefix.
+        This worker's topology in the round, and a store client under the round's prefix whose
+        waits end once the round is lost, until :func:`formed`.
 
     Raises:
         WorkerRemoved: the newest round leaves this worker out.
@@ -268,6 +286,10 @@ def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
         progress.last_round = plan.number
     progress.last_round = plan.number
     progress.plan = plan
+    # Until hvd.init() is done, the others' deaths end its waits on the round's store.
+    number = plan.number
+    store.end_waits_when(lambda: lost(base, number))
+    progress.forming = store
     topology = Topology(
         rank=assignment.rank,
         size=assignment.size,
@@ -283,6 +305,51 @@ def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
         store_prefix=round_prefix(plan.number),
     )
     return topology, store
+
+
+def formed() -> None:
+    """``hvd.init()`` is done with the round it joined (it formed, or init failed): its store's
+    waits no longer end when the round is lost (the engine handles failures from here on)."""
+    if progress.forming is not None:
+        progress.forming.end_waits_when(None)
+        progress.forming = None
+
+
+def lost(base: StoreClient, number: int) -> str:
+    """Why round ``number`` cannot form or go on, ``""`` when nothing says so: the failure
+    reported in it (the driver records a worker's death there), or the newer round that
+    replaced it.
+
+    Args:
+        base: the job's store without a round's prefix (not the round's own connection: this
+            is called between the slices of that connection's waits).
+
+    Raises:
+        AuthenticationError: the round's failure report or the round number was not written
+            by this job.
+    """
+    said = read_failure(base.under(round_prefix(number)))
+    if said:
+        return said
+    newest = _current_round(base)
+    if newest > number:
+        return f"round {number} was replaced by round {newest}"
+    return ""
+
+
+def round_lost(wait_s: float = LOSS_GRACE_S) -> str:
+    """Why the round this process joined last is lost, waiting up to ``wait_s`` for the driver
+    to say so; ``""`` when it did not (the round's trouble is something else)."""
+    plan = progress.plan
+    if plan is None:
+        return ""
+    base = base_store()
+    deadline = time.monotonic() + wait_s
+    while True:
+        why = lost(base, plan.number)
+        if why or time.monotonic() > deadline:
+            return why
+        time.sleep(POLL_S * 5)
 
 
 def _current_round(base: StoreClient) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -238,6 +239,31 @@ class StoreClient:
         return StoreClient(
             self.addr, self.port, self.secret, self.timeout_s, self.prefix, self.foreign
         )
+
+    def under(self, prefix: str) -> StoreClient:
+        """This client's connection, with its keys under ``prefix`` instead (no new
+        connection: for reading another elastic round's keys)."""
+        clone = object.__new__(StoreClient)
+        clone.__dict__.update(self.__dict__)
+        clone.prefix = prefix
+        clone.namespace = prefix + namespace_for(self.secret)
+        clone._torch_store = None
+        return clone
+
+    def end_waits_when(self, check: Callable[[], str] | None) -> None:
+        """End this connection's blocking reads (Gloo's rendezvous through :meth:`scoped`
+        included) once ``check`` gives a reason, with
+        :class:`~hora.common.job.store_protocol.StoreWaitEnded`; ``None`` turns it off. Only
+        hora's own store service can; on another store this does nothing."""
+        if isinstance(self.store, StoreConnection):
+            self.store.end_waits_when(check)
+
+    def wait_ender(self) -> Callable[[], str] | None:
+        """The check :meth:`end_waits_when` set, if any: for waits outside the store's reach
+        (Gloo's connections to its peers) that should end for the same reasons."""
+        if isinstance(self.store, StoreConnection):
+            return self.store.wait_ender
+        return None
 
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"

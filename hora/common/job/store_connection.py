@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,6 +49,7 @@ from hora.common.job.store_protocol import (
     StoreAuthenticationError,
     StoreConnectionError,
     StoreTimeout,
+    StoreWaitEnded,
     auth_key,
     bytes_field,
     int_field,
@@ -58,6 +59,10 @@ from hora.common.job.store_protocol import (
     session_key,
     unpack,
 )
+
+# While a check is set (StoreConnection.end_waits_when), how long one slice of a blocking get or
+# wait lasts before the check runs again.
+WAIT_SLICE_S = 0.2
 
 
 class _ClosedEarly(ConnectionError):
@@ -98,6 +103,7 @@ class StoreConnection:
         self.addr, self.port = addr, port
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._ends_wait: Callable[[], str] | None = None
         self._sock, (self._opener, self._sealer) = self._open(auth_key(secret), timeout_s)
 
     def _open(self, key: bytes, timeout_s: float) -> tuple[socket.socket, tuple[Seal, Seal]]:
@@ -227,16 +233,51 @@ class StoreConnection:
         seconds = self._timeout_s if timeout is None else timeout.total_seconds()
         return max(1, int(seconds * 1000))
 
+    def end_waits_when(self, check: Callable[[], str] | None) -> None:
+        """End every blocking ``get`` and ``wait`` early once ``check`` gives a reason.
+
+        While ``check`` is set, such a call waits in slices of :data:`WAIT_SLICE_S` and calls
+        ``check()`` between them; a non-empty answer ends the call with :class:`StoreWaitEnded`
+        carrying that reason. ``None`` turns it off. An elastic worker sets one while its round
+        forms: a round that lost a worker must not keep the others waiting for it until their
+        timeouts. ``check`` must not wait on this connection itself.
+        """
+        self._ends_wait = check
+
+    @property
+    def wait_ender(self) -> Callable[[], str] | None:
+        """The check :meth:`end_waits_when` set, if any."""
+        return self._ends_wait
+
     def _waited(self, op: int, keys: Sequence[str], timeout: timedelta | None) -> list[bytes]:
         ms = self._timeout_ms(timeout)
-        status, values = self._call(
-            op, int_field(ms), *(k.encode() for k in keys), wait_s=ms / 1000
-        )
+        names = [k.encode() for k in keys]
+        check = self._ends_wait
+        if check is None:
+            status, values = self._call(op, int_field(ms), *names, wait_s=ms / 1000)
+        else:
+            status, values = self._waited_in_slices(op, names, ms, check)
         if status == TIMEOUT:
             raise StoreTimeout(
                 f"timed out after {ms / 1000:g} s waiting for store keys {list(keys)[:4]}"
             )
         return values
+
+    def _waited_in_slices(
+        self, op: int, names: list[bytes], ms: int, check: Callable[[], str]
+    ) -> tuple[int, list[bytes]]:
+        """The answer to a blocking request of up to ``ms``, asked a slice at a time, with
+        ``check`` run between slices (see :meth:`end_waits_when`)."""
+        deadline = time.monotonic() + ms / 1000
+        while True:
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            slice_ms = min(left_ms, int(WAIT_SLICE_S * 1000))
+            status, values = self._call(op, int_field(slice_ms), *names, wait_s=slice_ms / 1000)
+            if status != TIMEOUT or slice_ms == left_ms:
+                return status, values
+            reason = check()
+            if reason:
+                raise StoreWaitEnded(reason)
 
     # The operations, with torch.distributed.Store's names and signatures.
 

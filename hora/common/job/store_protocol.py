@@ -61,6 +61,11 @@ class StoreTimeout(RuntimeError):
     ``RuntimeError``, as ``TCPStore``'s timeouts are)."""
 
 
+class StoreWaitEnded(RuntimeError):
+    """A ``get`` or ``wait`` was ended early: what it waited for will not come (the check given
+    to ``StoreConnection.end_waits_when`` said why, and the message is that reason)."""
+
+
 def auth_key(secret: str) -> bytes:
     """The key both ends prove the secret with."""
     return hashlib.sha256(b"hora-store-auth:" + secret.encode()).digest()

@@ -36,6 +36,7 @@ from hora.common.errors import HoraInternalError
 from hora.common.job.launchers import mpi_identity
 from hora.common.job.store import AuthenticationError, StoreClient, tampering
 from hora.common.job.store_keys import GenerationKeys
+from hora.common.job.store_protocol import StoreWaitEnded
 from hora.common.job.topology import Topology
 from hora.common.transport import Communicator, TransportError, prove_peers
 
@@ -65,7 +66,14 @@ def cpu_communicators(
     device = make_device(bind, interface)
 
     def gloo(scope: str, rank: int, size: int) -> Communicator:
-        comm = GlooCommunicator(store.scoped(scope), rank, size, settings.gloo_timeout_s, device)
+        comm = GlooCommunicator(
+            store.scoped(scope),
+            rank,
+            size,
+            settings.gloo_timeout_s,
+            device,
+            give_up=store.wait_ender(),
+        )
         return _proved(comm, store, scope)
 
     if not settings.shared_memory:
@@ -317,6 +325,8 @@ def _judge(store: StoreClient, keys: GenerationKeys, size: int, timeout_s: float
     names = [keys.settings(r) for r in range(size)]
     try:
         store.store.wait([store.key(name) for name in names], timedelta(seconds=timeout_s))
+    except StoreWaitEnded:
+        raise  # the elastic round was lost: nobody is late, and nothing is to be judged
     except RuntimeError:
         missing = [r for r, name in enumerate(names) if not store.check(name)]
         if not missing:

@@ -9,6 +9,8 @@ requests or names.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +62,10 @@ def make_device(bind_address: str, interface: str) -> Any:
     return dist.ProcessGroupGloo.create_default_device()
 
 
+# How often a connect that may be given up asks whether to give up.
+GIVE_UP_CHECK_S = 0.2
+
+
 class GlooCommunicator(ProcessGroupCommunicator):
     """A Gloo process group among ``size`` members, this process being member ``rank``.
 
@@ -69,16 +75,67 @@ class GlooCommunicator(ProcessGroupCommunicator):
         size: number of members.
         timeout_s: how long any one operation may wait for its peers.
         device: the Gloo device from :func:`make_device`.
+        give_up: asked while the group connects; a reason ends the connecting at once (an
+            elastic round that lost a member while it formed). ``None``: wait up to
+            ``timeout_s``.
     """
 
     path = "gloo"
 
-    def __init__(self, store: Any, rank: int, size: int, timeout_s: float, device: Any) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        device: Any,
+        give_up: Callable[[], str] | None = None,
+    ) -> None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [device]
         try:
-            backend = dist.ProcessGroupGloo(store, rank, size, options)
+            backend = _connect(store, rank, size, options, give_up)
         except RuntimeError as exc:
             raise TransportError(f"could not connect the Gloo group: {exc}") from exc
         super().__init__(backend, rank, size, torch.device("cpu"))
+
+
+def _connect(
+    store: Any, rank: int, size: int, options: Any, give_up: Callable[[], str] | None
+) -> Any:
+    """A connected ``ProcessGroupGloo``.
+
+    With ``give_up``, the group connects in a thread of its own while this one asks
+    ``give_up`` every :data:`GIVE_UP_CHECK_S`. Gloo's store reads end early through the store's
+    own check, but a peer that died after it published its address keeps Gloo retrying the
+    connection in C++, out of the store's reach, for the whole timeout; a reason ends the wait
+    here, and the thread is left to end at that timeout (the GIL is free while it waits). It is
+    not a daemon thread: a process that ends sooner waits for it at exit, since a thread that
+    leaves C++ while the interpreter is finalizing aborts the process.
+
+    Raises:
+        RuntimeError: Gloo's error, or the reason to give up.
+    """
+    if give_up is None:
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    outcome: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            outcome["group"] = dist.ProcessGroupGloo(store, rank, size, options)
+        except BaseException as exc:  # handed to the waiting thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name="hora-gloo-connect")
+    thread.start()
+    while True:
+        thread.join(GIVE_UP_CHECK_S)
+        if not thread.is_alive():
+            break
+        reason = give_up()
+        if reason:
+            raise RuntimeError(f"gave up connecting: {reason}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["group"]

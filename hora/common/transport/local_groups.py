@@ -127,15 +127,16 @@ def map_segment(
         segment, problem = _join_group(
             store, scope, group, members, rank, (slot_bytes, arena_bytes), timeout_s
         )
-    store.set_signed(f"{scope}/shm-ok/{rank}", problem.encode())
-    problems = []
-    for member in range(len(grouping.group_of)):
-        if not store.wait(f"{scope}/shm-ok/{member}", timeout_s):
-            problems.append(f"member {member} did not report")
-            continue
-        said = store.get_signed(f"{scope}/shm-ok/{member}").decode()
-        if said:
-            problems.append(f"member {member} on {grouping.hosts[member]}: {said}")
+    try:
+        problems = _reports(store, scope, grouping, rank, problem, timeout_s)
+    except BaseException:
+        # The wait ended early (an elastic round was lost) or the store failed: nobody will
+        # use the segment; its name and mapping must not outlive this call.
+        if segment is not None:
+            if members[0] == rank:
+                segment.unlink()
+            segment.close()
+        raise
     if segment is not None and members[0] == rank:
         segment.unlink()  # every member of the group has reported, so has mapped it
     if problems:
@@ -145,6 +146,23 @@ def map_segment(
     if segment is not None:
         segment.watch_peers()
     return segment, ""
+
+
+def _reports(
+    store: StoreClient, scope: str, grouping: Grouping, rank: int, problem: str, timeout_s: float
+) -> list[str]:
+    """Publish whether shared memory works for this member (``problem``: why not), and read
+    every member's answer: the problems, one per member that has one."""
+    store.set_signed(f"{scope}/shm-ok/{rank}", problem.encode())
+    problems = []
+    for member in range(len(grouping.group_of)):
+        if not store.wait(f"{scope}/shm-ok/{member}", timeout_s):
+            problems.append(f"member {member} did not report")
+            continue
+        said = store.get_signed(f"{scope}/shm-ok/{member}").decode()
+        if said:
+            problems.append(f"member {member} on {grouping.hosts[member]}: {said}")
+    return problems
 
 
 def _join_group(

@@ -14,12 +14,12 @@ driver:
   the previous round first, in their previous rank order, host by host (a host's workers stay
   contiguous), then the new workers; a process is started only for a worker id that has none;
 * on a worker of the current round ending with a non-zero status or a signal: records it in that
-  round's store space (so the survivors' collectives fail at once and name it), blacklists its
-  host (all of it; its other workers are stopped) for good, or for a growing cooldown with
-  ``--blacklist-cooldown-range``, and publishes the next round; when blacklisting the host would
-  leave fewer than ``--min-np`` slots (a job on one machine), only the worker's slot is taken out,
-  on the same terms; a worker that asks for a new round (a collective failed while every process
-  still ran) gets one with the same workers;
+  round's store space (so the survivors' collectives fail at once and name it, even inside their
+  ``hvd.init()``), blacklists its host (all of it; its other workers are stopped) for good, or for
+  a growing cooldown with ``--blacklist-cooldown-range``, and publishes the next round; when
+  blacklisting the host would leave fewer than ``--min-np`` slots (a job on one machine), only the
+  worker's slot is taken out, on the same terms; a worker that asks for a new round (a collective
+  failed while every process still ran) gets one with the same workers;
 * on hosts added or removed (so that the round would change): publishes a host-change notice,
   then the next round; workers on removed hosts are left out and exit with status 0 themselves;
 * waits up to ``--elastic-timeout`` when fewer than ``--min-np`` slots are available, then stops
