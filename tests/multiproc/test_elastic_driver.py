@@ -325,6 +325,32 @@ def test_a_worker_killed_inside_the_first_init_costs_a_round_not_the_job(
 
 
 @pytest.mark.timeout(100)
+def test_waiting_for_slots_says_every_few_seconds_what_is_offered_and_missing(
+    tmp_path: Path,
+) -> None:
+    script = _write(tmp_path, "job.py", WORKER)
+    discover = _discovery(tmp_path, "127.0.0.2")
+    started = time.monotonic()
+    result = _horarun(
+        tmp_path,
+        ["--min-np", "2", "--elastic-timeout", "11", "--host-discovery-script", discover],
+        script,
+    )
+    took_s = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    lines = [x for x in result.stderr.splitlines() if x.startswith("horarun: waiting for")]
+    # One line at once, then one every 10 s: not one per look at the hosts.
+    assert lines[0] == (
+        "horarun: waiting for 1 more slot: the hosts found offer 1 (127.0.0.2:1), --min-np 2 "
+        "needs 2; giving up in 11 s"
+    ), result.stderr
+    assert len(lines) == 2, result.stderr
+    assert re.fullmatch(r"horarun: waiting for 1 more slot: .*; giving up in [12] s", lines[1])
+    assert "timed out after 11 s waiting for 2 slots" in result.stderr
+    assert took_s < 30
+
+
+@pytest.mark.timeout(100)
 def test_reset_limit_stops_the_job(tmp_path: Path) -> None:
     script = _write(tmp_path, "job.py", WORKER)
     result = _horarun(

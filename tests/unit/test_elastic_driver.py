@@ -34,6 +34,7 @@ from hora.runner.elastic import (
     parse_discovery_output,
     update_flags,
 )
+from hora.runner.elastic import driver as driver_module
 from hora.runner.hosts import Host, Slot
 from hora.runner.job import Job
 from hora.runner.options import LaunchOptions, OptionError
@@ -650,6 +651,23 @@ def test_round_zero_waits_for_np_slots_then_uses_all_up_to_max_np() -> None:
 
 
 @pytest.mark.timeout(20)
+def test_round_zero_says_what_it_waits_for() -> None:
+    logging.getLogger("hora.runner").setLevel(logging.INFO)
+    h = _Harness([Host("a", 1)], np=3, min_np=2, timeout_s=600.0)
+    h.step()
+    h.step(driver_module.WAIT_REPORT_S)
+    assert h.told == [
+        "waiting for 2 more slots: the hosts found offer 1 (a:1), -np 3 needs 3; "
+        "giving up in 600 s",
+        "waiting for 2 more slots: the hosts found offer 1 (a:1), -np 3 needs 3; "
+        "giving up in 590 s",
+    ]
+    h.hosts = [Host("a", 1), Host("b", 2)]
+    h.step(1.0)
+    assert h.plan().number == 0 and len(h.told) == 2
+
+
+@pytest.mark.timeout(20)
 def test_round_zero_times_out_naming_the_hosts_found() -> None:
     h = _Harness([Host("a", 1)], np=3, timeout_s=5.0)
     h.step()
@@ -795,8 +813,19 @@ def test_too_few_slots_wait_for_elastic_timeout_then_stop() -> None:
     h.spawner.end(1, 3)
     h.step()
     assert h.plan().number == 0
-    assert any("round 1 needs --min-np 2 workers but has 1 usable slot" in s for s in h.told)
-    h.step(19.0)
+    # Said at once, without --verbose, then every WAIT_REPORT_S (not at every step).
+    assert h.told == [
+        "waiting for 1 more slot: the hosts found offer 1 (a:1), --min-np 2 needs 2; "
+        "blacklisted hosts: b; giving up in 20 s"
+    ]
+    h.step(5.0)
+    assert len(h.told) == 1
+    h.step(driver_module.WAIT_REPORT_S - 5.0)
+    assert h.told[1:] == [
+        "waiting for 1 more slot: the hosts found offer 1 (a:1), --min-np 2 needs 2; "
+        "blacklisted hosts: b; giving up in 10 s"
+    ]
+    h.step(9.0)
     h.hosts = [Host("a", 1), Host("b", 1), Host("c", 1)]  # help arrives in time
     h.step(0.5)
     assert h.plan().number == 1 and h.plan().ranked() == ["a:0", "c:0"]
@@ -829,6 +858,14 @@ def test_a_failure_on_the_only_host_takes_out_its_slot_not_the_host() -> None:
         "taken out (blacklisting host a would leave 0 slots, fewer than --min-np 2)"
     ]
     assert h.driver.manager.blacklist.hosts() == [] and h.driver.manager.out() == ["a:1"]
+    # Another failure leaves one slot, below --min-np: the job waits, saying why.
+    h.spawner.end(2, 1)
+    h.step()
+    assert h.plan().number == 1
+    assert h.told[-1] == (
+        "waiting for 1 more slot: the hosts found offer 1 (a:1), --min-np 2 needs 2; slots "
+        "taken out after failures: a:1, a:2; giving up in 30 s"
+    )
 
 
 @pytest.mark.timeout(20)

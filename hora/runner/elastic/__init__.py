@@ -22,7 +22,8 @@ driver:
   failed while every process still ran) gets one with the same workers;
 * on hosts added or removed (so that the round would change): publishes a host-change notice,
   then the next round; workers on removed hosts are left out and exit with status 0 themselves;
-* waits up to ``--elastic-timeout`` when fewer than ``--min-np`` slots are available, then stops
+* waits up to ``--elastic-timeout`` when fewer than ``--min-np`` slots are available (``-np`` for
+  round 0), saying at once and every 10 s what the hosts offer and what is missing, then stops
   the job; stops it too when every host is blacklisted, when no worker of the previous round is
   left to pass the training state on, or when the job would re-form more often than
   ``--reset-limit`` allows (every round after round 0 counts, as in Horovod);

@@ -27,7 +27,7 @@ from hora.common.job.store import StoreClient, report_failure
 from hora.common.job.store_keys import exit_key
 from hora.runner.elastic.blacklist import HostManager, describe_hosts
 from hora.runner.elastic.discovery import HostWatcher
-from hora.runner.elastic.report import Ending, final_failures, job_report
+from hora.runner.elastic.report import Ending, final_failures, job_report, shortage
 from hora.runner.elastic.rounds import (
     ElasticError,
     Limits,
@@ -47,6 +47,8 @@ POLL_S = 0.05
 RESET_GRACE_S = 1.0
 # How long a store write about a failed worker may block.
 STORE_TIMEOUT_S = 30.0
+# While the job waits for slots, how often it says what it has and what it lacks.
+WAIT_REPORT_S = 10.0
 
 logger = logging.getLogger("hora.runner")
 
@@ -270,39 +272,31 @@ class Driver:
             return
         need = self.limits.np if plan is None else self.limits.min_np
         if len(order) < need:
-            self._wait_for_slots(now, need, len(order), available)
+            self._wait_for_slots(now, need, len(order))
             return
         rounds.short_since = None
         self._publish(order, running, stopping)
 
-    def _wait_for_slots(
-        self, now: float, need: int, have: int, available: list[tuple[str, int]]
-    ) -> None:
+    def _wait_for_slots(self, now: float, need: int, have: int) -> None:
+        """Too few slots for the next round: say so every :data:`WAIT_REPORT_S`, and stop the
+        job once ``--elastic-timeout`` has passed.
+
+        Raises:
+            ElasticError: the time is up.
+        """
         limits = self.limits
         rounds = self.rounds
         blacklisted = ", ".join(self.manager.blacklist.hosts()) or "none"
+        available = self.manager.usable()
         if rounds.short_since is None:
             rounds.short_since = now
-            if rounds.plan is None:
-                logger.debug(
-                    "waiting up to %g s for %d slots to start the job (-np %d); available: %s",
-                    limits.timeout_s,
-                    need,
-                    limits.np,
-                    describe_hosts(available),
-                )
-            else:
-                logger.warning(
-                    "round %d needs --min-np %d workers but has %s (%s; blacklisted hosts: %s); "
-                    "waiting up to %g s for more",
-                    rounds.next_number,
-                    need,
-                    plural(have, "usable slot"),
-                    describe_hosts(available),
-                    blacklisted,
-                    limits.timeout_s,
-                )
-        if now - rounds.short_since < limits.timeout_s:
+            rounds.short_told = None
+        waited = now - rounds.short_since
+        if waited < limits.timeout_s:
+            if rounds.short_told is None or now - rounds.short_told >= WAIT_REPORT_S:
+                rounds.short_told = now
+                left_s = limits.timeout_s - waited
+                logger.warning("%s", shortage(self.manager, need, have, limits.min_np, left_s))
             return
         if rounds.plan is None:
             raise ElasticError(
@@ -312,10 +306,12 @@ class Driver:
                 f"{blacklisted}). Check the hosts (or the host discovery script's output), "
                 "lower -np, or raise --elastic-timeout."
             )
+        out = self.manager.out()
+        taken = f"; slots taken out after failures: {', '.join(out)}" if out else ""
         raise ElasticError(
             f"fewer than --min-np {need} slots were available for {limits.timeout_s:g} s "
             f"(--elastic-timeout): {have} usable ({describe_hosts(available)}); blacklisted "
-            f"hosts: {blacklisted}. Stopping the job."
+            f"hosts: {blacklisted}{taken}. Stopping the job."
         )
 
     def _reason_for_next(self, order: list[str], running: set[str], stopping: set[str]) -> str:

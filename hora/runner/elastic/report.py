@@ -1,4 +1,5 @@
-"""How an elastic job ended, in words: the last round's failed workers, or the last failure seen.
+"""How an elastic job ended, in words: the last round's failed workers, or the last failure seen;
+and, while it waits for slots, what it waits for (:func:`shortage`).
 
 Training is over when a worker of the newest round exits with status 0; the round's other workers
 then get ``--elastic-timeout`` seconds to finish too (:class:`Ending` records what happened in
@@ -9,10 +10,13 @@ its last worker failures instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hora.common.job.rounds import RoundPlan
+from hora.runner.elastic.blacklist import HostManager, describe_hosts
+from hora.runner.elastic.rounds import plural
 from hora.runner.elastic.workers import Failure, Processes
 from hora.runner.supervisor import Worker
 
@@ -108,3 +112,33 @@ def job_report(
         lines.append(f"Last lines of worker {worker.slot.rank}'s stderr:")
         lines += [f"    {line}" for line in worker.stderr_tail]
     return "\n".join(lines)
+
+
+def shortage(manager: HostManager, need: int, have: int, min_np: int, left_s: float) -> str:
+    """What a job short of slots waits for, what the hosts offer, and how long it will wait:
+    ``waiting for 1 more slot: the hosts found offer 1 (a:1), --min-np 2 needs 2; giving up in
+    590 s``.
+
+    Args:
+        manager: the hosts.
+        need: the slots the next round needs (``-np`` for round 0, else ``--min-np``).
+        have: the slots it could have now (fewer than offered while stopped workers end).
+        min_np: ``--min-np``.
+        left_s: how long the job will still wait.
+    """
+    usable = manager.usable()
+    offered = sum(count for _, count in usable)
+    flag = f"--min-np {need}" if need == min_np else f"-np {need}"
+    text = (
+        f"waiting for {plural(need - have, 'more slot')}: the hosts found offer {offered} "
+        f"({describe_hosts(usable)}), {flag} needs {need}"
+    )
+    if have < offered:
+        text += f"; {offered - have} of them held by workers still ending"
+    blacklisted = manager.blacklist.hosts()
+    if blacklisted:
+        text += f"; blacklisted hosts: {', '.join(blacklisted)}"
+    out = manager.out()
+    if out:
+        text += f"; slots taken out after failures: {', '.join(out)}"
+    return f"{text}; giving up in {math.ceil(left_s)} s"

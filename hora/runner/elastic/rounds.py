@@ -122,6 +122,7 @@ class Rounds:
         resets: rounds published after round 0 (``--reset-limit`` counts them).
         updates: host-change notices published.
         short_since: since when too few slots are available for the next round.
+        short_told: when the driver last said so.
         reset_seen: rounds whose workers' request for a new round was granted.
         reset_asked: the round whose request is waiting for its grace period, and when the
             driver saw it.
@@ -132,6 +133,7 @@ class Rounds:
     resets: int = 0
     updates: int = 0
     short_since: float | None = None
+    short_told: float | None = None
     reset_seen: set[int] = field(default_factory=set)
     reset_asked: tuple[int, float] | None = None
 
