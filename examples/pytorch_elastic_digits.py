@@ -6,10 +6,12 @@ Run it on this machine, with three loopback addresses playing three hosts::
         --host-discovery-script examples/elastic_hosts.sh \\
         python examples/pytorch_elastic_digits.py --demo-failure
 
-``--demo-failure`` makes the worker of rank 2 kill itself (SIGKILL) in the middle of epoch 2. The
-two others roll back to the last commit, go on as a job of two, and finish; ``horarun`` names the
-lost worker and blacklists its host. Without it, edit the hosts the discovery script prints
-(``HORA_EXAMPLE_HOSTS``, see examples/elastic_hosts.sh) while the job runs to remove or add hosts.
+``--demo-failure`` makes the worker of the last rank (rank 2 of 3 here) kill itself (SIGKILL) in
+the middle of epoch 2 (of epoch 1 with ``--epochs 1``), whatever the number of workers. The others
+roll back to the last commit, go on without it, and finish; ``horarun`` names the lost worker and
+blacklists its host. A job that starts with one worker has nobody to go on, and says so instead.
+Without it, edit the hosts the discovery script prints (``HORA_EXAMPLE_HOSTS``, see
+examples/elastic_hosts.sh) while the job runs to remove or add hosts.
 
 ``--commit-dir DIR`` also writes every commit to ``DIR/commit.pt`` (atomically, fsynced). Stop the
 whole job (Ctrl-C, or kill every worker) and run the same command again: it resumes from the last
@@ -56,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--demo-failure",
         action="store_true",
-        help="rank 2 of the first round kills itself (SIGKILL) in the middle of epoch 2",
+        help="the last rank of the first round kills itself (SIGKILL) in the middle of epoch 2",
     )
     parser.add_argument(
         "--commit-dir",
@@ -67,22 +69,43 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def demo_failure(args: argparse.Namespace) -> tuple[int, int] | None:
+    """With ``--demo-failure``: the rank that will kill itself and the epoch it dies in (the
+    second, or the only one), said once by rank 0; ``None`` (and why) in a job of one worker."""
+    if not args.demo_failure:
+        return None
+    if hvd.size() < 2:
+        if hvd.rank() == 0:
+            print(
+                "--demo-failure: the job starts with 1 worker, and losing it would leave nobody "
+                "to go on; start 2 or more (-np) to see a failure survived",
+                flush=True,
+            )
+        return None
+    rank, epoch = hvd.size() - 1, min(1, args.epochs - 1)
+    if hvd.rank() == 0:
+        print(f"--demo-failure: rank {rank} will kill itself in epoch {epoch + 1}", flush=True)
+    return rank, epoch
+
+
 def train_epoch(
     state: hvd.elastic.TorchState,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     train_set: Any,
     args: argparse.Namespace,
+    failure: tuple[int, int] | None,
 ) -> None:
-    """Train on this rank's shard of the epoch, from the batch the state is at."""
+    """Train on this rank's shard of the epoch, from the batch the state is at; ``failure``:
+    the rank and epoch of ``--demo-failure``'s death (in the first round, half-way through)."""
     model.train()
     # The sampler gives every rank the same number of samples (it repeats a few to make the
     # epoch divide by the number of workers), so every rank runs the same number of steps.
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
     for step, (images, labels) in enumerate(loader):
-        where = (hvd.rank(), state.epoch, state.batch)
-        if args.demo_failure and hvd.elastic.round_number() == 0 and where == (2, 1, 12):
-            print("rank 2: killing myself (--demo-failure)", flush=True)
+        dies = failure == (hvd.rank(), state.epoch) and state.batch == len(loader) // 2
+        if dies and hvd.elastic.round_number() == 0:
+            print(f"rank {hvd.rank()}: killing myself (--demo-failure)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.zero_grad()
         F.cross_entropy(model(images), labels).backward()
@@ -121,13 +144,14 @@ def main() -> None:
             print(f"the job now has {hvd.size()} workers; learning rate {args.lr * hvd.size()}")
 
     state.register_reset_callbacks([rescale_learning_rate])
+    failure = demo_failure(args)
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         if hvd.rank() == 0 and (state.epoch, state.batch) != (0, 0):
             print(f"resuming at epoch {state.epoch + 1}, batch {state.batch}", flush=True)
         while state.epoch < args.epochs:
-            train_epoch(state, model, optimizer, train_set, args)
+            train_epoch(state, model, optimizer, train_set, args, failure)
             accuracy = evaluate(model, test_set)
             if hvd.rank() == 0:
                 print(

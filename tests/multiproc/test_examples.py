@@ -164,6 +164,32 @@ def test_elastic_digits_survives_the_demo_failure_and_still_learns() -> None:
     assert len(finals) == 1 and float(finals[0]) >= 0.9, result.stdout
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np", [1, 2])
+def test_the_demo_failure_happens_at_any_size_or_says_why_not(np: int) -> None:
+    """Two workers: the last rank dies and the survivor goes on (here with a worker started on
+    the third host the script offers). One worker: a line at the start says why nobody dies."""
+    command = [*HORARUN, "-np", str(np), "--min-np", "1", "--max-np", str(np)]
+    command += ["--host-discovery-script", str(ROOT / "examples" / "elastic_hosts.sh")]
+    command += [sys.executable, str(ROOT / "examples" / "pytorch_elastic_digits.py")]
+    command += ["--demo-failure", "--epochs", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=140, cwd=ROOT)
+    said = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, said
+    assert len(FINAL.findall(result.stdout)) == 1, said
+    if np == 1:
+        first = result.stdout.splitlines()[0]
+        assert first == (
+            "[0]<stdout>:--demo-failure: the job starts with 1 worker, and losing it would leave "
+            "nobody to go on; start 2 or more (-np) to see a failure survived"
+        ), said
+        assert "killing myself" not in result.stdout, said
+        return
+    assert "[0]<stdout>:--demo-failure: rank 1 will kill itself in epoch 2" in result.stdout
+    assert "[1]<stdout>:rank 1: killing myself (--demo-failure)" in result.stdout, said
+    assert "reason: rank 1 (127.0.0.2:0) was killed by SIGKILL" in result.stderr, said
+
+
 @pytest.mark.timeout(90)
 def test_digits_shows_progress_lines_under_horarun() -> None:
     # horarun's workers write to pipes, where a bar cannot draw: rank 0 prints lines instead.
