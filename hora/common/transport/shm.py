@@ -109,8 +109,8 @@ class ShmCommunicator:
         describe = describe or (lambda member: f"member {member}")
         self._layout = Layout(segment)
         self._barriers = Barriers(segment, timeout_s, describe)
-        self._halves = Halves(segment.slot_bytes, self._layout, self._barriers)
-        self._through_slots = SlotCollectives(segment.slot_bytes, self._layout, self._barriers)
+        self._halves = Halves(segment, self._layout, self._barriers)
+        self._through_slots = SlotCollectives(segment, self._layout, self._barriers)
         self._in_arenas = ArenaAllreduce(segment, self._layout, self._barriers, describe)
         self._others = [m for m in range(self.size) if m != self.rank]
         self._lock = threading.Lock()  # one operation at a time

@@ -18,22 +18,24 @@ import torch
 from hora.common.message import ReduceOp
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_layout import ALIGN, REDUCTIONS, Layout
+from hora.common.transport.shm_segment import Segment
 
 
 class Halves:
     """Operations of one barrier per chunk, through alternating halves of the slots.
 
     Args:
-        slot_bytes: the bytes of each member's slot.
-        layout: this member's slots.
+        segment: the mapped segment (this member's view): its slots as bytes.
+        layout: its slots as tensors.
         barriers: this member's barriers.
 
     Attributes:
         half_bytes: the bytes of half a slot: the most :meth:`exchange` takes.
     """
 
-    def __init__(self, slot_bytes: int, layout: Layout, barriers: Barriers) -> None:
-        self.half_bytes = slot_bytes // 2
+    def __init__(self, segment: Segment, layout: Layout, barriers: Barriers) -> None:
+        self.half_bytes = segment.slot_bytes // 2
+        self._segment = segment
         self._layout = layout
         self._barriers = barriers
         self._half = 0
@@ -60,7 +62,7 @@ class Halves:
         :attr:`half_bytes`), in member order."""
         offset = self._half * self.half_bytes
         self._half ^= 1
-        views = self._layout.byte_slots
+        views = self._segment.slots
         views[self._layout.rank][offset : offset + len(data)] = data
         self._barriers.barrier(deadline)
         self._barriers.leave_unfenced()

@@ -55,11 +55,6 @@ class Layout:
             for m in range(self.size)
         ]
 
-    @property
-    def byte_slots(self) -> list[memoryview]:
-        """Every member's slot, as the segment's ``memoryview``s (for ``bytes`` in and out)."""
-        return self._segment.slots
-
     # ------------------------------------------------------------- arenas
 
     def arena_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:

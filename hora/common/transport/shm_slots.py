@@ -26,19 +26,20 @@ import torch
 from hora.common.message import ReduceOp
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_layout import ALIGN, REDUCTIONS, Layout, as_bytes, offsets, part
+from hora.common.transport.shm_segment import Segment
 
 
 class SlotCollectives:
     """Collectives through the slots, each on the calling thread.
 
     Args:
-        slot_bytes: the bytes of each member's slot.
-        layout: this member's slots.
+        segment: the mapped segment (this member's view).
+        layout: its slots as tensors.
         barriers: this member's barriers.
     """
 
-    def __init__(self, slot_bytes: int, layout: Layout, barriers: Barriers) -> None:
-        self._slot_bytes = slot_bytes
+    def __init__(self, segment: Segment, layout: Layout, barriers: Barriers) -> None:
+        self._slot_bytes = segment.slot_bytes
         self._layout = layout
         self._barriers = barriers
         self._rank = layout.rank
