@@ -52,6 +52,10 @@ otherwise, and needs at least two, each with a GPU of its own; without CUDA, NCC
 NCCL data path it says why and exits with status 2::
 
     .venv/bin/python benchmarks/collectives.py --transport nccl [--np N] [--json results.json]
+
+``--plot PATH`` also draws the allreduce bus bandwidth against message size as a PNG chart, a
+line per library with the range of its calls as a band (any ``--transport``); ``--docs`` draws
+docs/images/bandwidth_by_size.png (see charts.py).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ from hora.common.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts
 import harness
 
 MIB = 1024 * 1024
@@ -123,6 +128,7 @@ SMALL_OPS = 200
 SMALL_OP_ELEMENTS = 1024  # 4 KiB of float32
 SMALL_OP_GOALS = {"one by one": 2.0, "grouped": 2.0, "async": 1.0}
 RAW_PREFIX = "raw-bench/"
+CHART = "bandwidth_by_size.png"  # under docs/images/ with --docs
 
 # torch.distributed's stubs omit the stores (as in hora.common.transport.gloo).
 dist: Any = _dist
@@ -162,6 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="FACTOR",
         help="scale every repetition count (e.g. 0.2 for a quick check)",
     )
+    harness.add_chart_options(parser, CHART)
     args = parser.parse_args(argv)
     if args.np is None:
         args.np = default_workers(args.transport)
@@ -180,6 +187,9 @@ def relaunch(args: argparse.Namespace) -> int:
     forwarded = ["--repeats", str(args.repeats), "--transport", args.transport]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
+    chart = harness.chart_path(args, CHART)
+    if chart:
+        forwarded += ["--plot", chart]
     if args.transport == "mpi" or args.with_mpi:
         command = [sys.executable, "-m", "hora.runner.launch", "--mpi", "-np", str(args.np)]
         # --with-mpi: mpirun starts the job so that mpi4py can run beside hora, whose own
@@ -582,6 +592,48 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+def chart_series(transport: str, results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The lines of the bandwidth chart, hora's first, then its raw peer's: ``(label,
+    bandwidth key, samples key)`` of the ``allreduce_bandwidth`` rows."""
+    if transport == "mpi":
+        return [
+            ("hora over MPI", "hora_mpi_busbw_GBps", "hora_samples_s"),
+            ("raw mpi4py Allreduce", "raw_mpi_busbw_GBps", "mpi_samples_s"),
+            ("raw torch.distributed Gloo", "raw_gloo_busbw_GBps", "gloo_samples_s"),
+        ]
+    if transport == "nccl":
+        return [
+            ("hora over NCCL", "hora_nccl_busbw_GBps", "hora_samples_s"),
+            ("raw torch.distributed NCCL", "raw_nccl_busbw_GBps", "raw_samples_s"),
+        ]
+    path = results["data_path"]
+    named = {"shm": "shared memory", "gloo": "Gloo", "hierarchical": "hierarchical"}
+    series = [
+        (f"hora ({named.get(path, path)})", "hora_busbw_GBps", "hora_samples_s"),
+        ("raw torch.distributed Gloo", "raw_busbw_GBps", "raw_samples_s"),
+    ]
+    if "mpi_busbw_GBps" in results["allreduce_bandwidth"][0]:
+        series.append(("raw mpi4py Allreduce", "mpi_busbw_GBps", "mpi_samples_s"))
+    return series
+
+
+def chart_drawer(args: argparse.Namespace) -> Callable[[dict[str, Any]], object] | None:
+    """What draws the bandwidth chart on rank 0 (``None``: no ``--plot``, no ``--docs``)."""
+    path = harness.chart_path(args, CHART)
+    if path is None:
+        return None
+    return lambda results: charts.bandwidth_by_size(
+        results, chart_series(args.transport, results), path
+    )
+
+
+def run_options(args: argparse.Namespace) -> str:
+    """The options that shaped the measurements, as the chart's caption names them."""
+    shown = "" if args.transport == "gloo" else f" --transport {args.transport}"
+    shown += " --with-mpi" if mpi_launched() and args.transport == "gloo" else ""
+    return shown + (f" --repeats {args.repeats:g}" if args.repeats != 1.0 else "")
+
+
 # ---------------------------------------------------------------- MPI
 
 
@@ -676,8 +728,10 @@ def mpi_worker(args: argparse.Namespace) -> None:
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "allreduce_bandwidth": bench_mpi_bandwidth(timer, args.repeats, comm, MPI),
+        "options": run_options(args),
+        **harness.run_facts(),
     }
-    harness.report(results, started, rank, format_mpi_table, args.json)
+    harness.report(results, started, rank, format_mpi_table, args.json, chart_drawer(args))
     comm.Free()
     dist.destroy_process_group()
     hvd.shutdown()
@@ -826,8 +880,10 @@ def nccl_worker(args: argparse.Namespace) -> None:
         "load_before": load_before,
         "cycle_time_ms": cycle_time_ms,
         "allreduce_bandwidth": bench_nccl_bandwidth(timer, args.repeats, device),
+        "options": run_options(args),
+        **harness.run_facts(),
     }
-    harness.report(results, started, rank, format_nccl_table, args.json)
+    harness.report(results, started, rank, format_nccl_table, args.json, chart_drawer(args))
     dist.destroy_process_group()
     hvd.shutdown()
 
@@ -862,6 +918,8 @@ def worker(args: argparse.Namespace) -> None:
         "fusion": bench_fusion(timer, args.repeats),
         "latency": bench_latency(timer, args.repeats, path),
         "small_ops": bench_small_ops(timer, args.repeats),
+        "options": run_options(args),
+        **harness.run_facts(),
     }
     dist.barrier()
     results["elapsed_s"] = time.perf_counter() - started
@@ -871,6 +929,9 @@ def worker(args: argparse.Namespace) -> None:
         print(format_table(results), flush=True)
         if args.json:
             harness.write_json(args.json, results)
+        draw = chart_drawer(args)
+        if draw is not None:
+            draw(results)
     dist.barrier()
     if mpi is not None:
         mpi[0].Free()
@@ -881,11 +942,16 @@ def worker(args: argparse.Namespace) -> None:
 def mpi_peer() -> tuple[Any, Any] | None:
     """``(communicator, MPI module)`` for raw mpi4py beside hora and Gloo, when the job was
     started by ``mpirun`` (``--with-mpi``); else ``None``."""
-    if "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
+    if not mpi_launched():
         return None
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Dup(), MPI
+
+
+def mpi_launched() -> bool:
+    """Whether ``mpirun`` or ``mpiexec`` started this process."""
+    return "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ
 
 
 def nccl_refusal(args: argparse.Namespace) -> str | None:
@@ -902,7 +968,7 @@ def main() -> int:
     if reason is not None:
         print(reason, file=sys.stderr)
         return 2
-    under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ
+    under_mpirun = mpi_launched()
     if args.transport == "mpi" and "HORA_RANK" in os.environ:
         print(
             "--transport mpi starts the job with mpirun itself: run "

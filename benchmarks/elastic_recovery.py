@@ -15,10 +15,18 @@ Both jobs train the same MLP on synthetic data on 3 workers, keep their state ev
    rank 0 saves a checkpoint file every ``COMMIT_EVERY`` steps (the recovery model torchrun and
    Ray Train offer: every worker is restarted and loads the checkpoint). It goes on with 3.
 
-Every worker appends ``time event`` lines to a shared file. The recovery time is from the
-``killed`` line to the first step completed by the recovered job (hora's next round,
-torchrun's next attempt), by any worker; the table shows medians
-and the ratio hora/torchrun (goal: at most 1.0x, in-process recovery should beat a restart).
+Every worker appends ``time event key value ...`` lines to a shared file: ``joined`` when it
+has joined a round (hora's rounds, torchrun's attempts: the group formed, the checkpoint
+loaded), ``step`` after each step, ``killed`` before it kills itself, each with the worker
+(hora: its process, which survives rounds; torchrun: its rank, whose process is replaced), its
+rank, the job's size and the round. The recovery time is from the ``killed`` line to the first
+step completed by the recovered job (hora's next round, torchrun's next attempt), by any
+worker; the table shows medians and the ratio hora/torchrun (goal: at most 1.0x, in-process
+recovery should beat a restart). ``--json PATH`` writes every job's events too, and
+``--plot PATH`` (or ``--docs``, for docs/images/elastic_rounds.png) draws the hora job with
+the median recovery time as a timeline of its rounds (see charts.py)::
+
+    .venv/bin/python benchmarks/elastic_recovery.py --repeats 3 --docs
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch
 import hora
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts
 import harness
 
 GOAL = 1.0
@@ -50,11 +59,27 @@ COMMIT_EVERY = 5
 BATCH = 32
 HIDDEN = 256
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+CHART = "elastic_rounds.png"  # under docs/images/ with --docs
 
 
-def _log(path: str, text: str) -> None:
+def _log(path: str, event: str, **fields: object) -> None:
+    """Append one event: its time, its name, then ``key value`` pairs."""
+    text = " ".join([f"{time.time():.6f}", event, *(f"{k} {v}" for k, v in fields.items())])
     with open(path, "a") as f:
-        f.write(f"{time.time():.6f} {text}\n")
+        f.write(text + "\n")
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    """The lines of an events file as ``{"t": seconds, "event": name, key: value, ...}``
+    (values that are integers as ``int``)."""
+    events = []
+    for line in text.splitlines():
+        stamp, event, *pairs = line.split()
+        parsed: dict[str, Any] = {"t": float(stamp), "event": event}
+        for key, value in zip(pairs[::2], pairs[1::2]):
+            parsed[key] = int(value) if value.lstrip("-").isdigit() else value
+        events.append(parsed)
+    return events
 
 
 def _model() -> torch.nn.Module:
@@ -72,7 +97,6 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def hora_worker(events: str) -> None:
     import hora.torch as hvd
-    from hora.common.job import rounds as protocol
 
     torch.set_num_threads(1)
     hvd.init()
@@ -81,21 +105,29 @@ def hora_worker(events: str) -> None:
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
+    worker = os.getpid()
+
+    def joined() -> None:
+        where = {"rank": hvd.rank(), "size": hvd.size(), "round": hvd.elastic.round_number()}
+        _log(events, "joined", worker=worker, **where)
+
+    joined()
+    state.register_reset_callbacks([joined])
 
     @hvd.elastic.run
     def train(state: Any) -> None:
         while state.step < STEPS:
-            first_round = protocol.progress.plan is not None and protocol.progress.plan.number == 0
-            if state.step == KILL_AT and hvd.rank() == NP - 1 and first_round:
-                _log(events, "killed")
+            number = hvd.elastic.round_number()
+            if state.step == KILL_AT and hvd.rank() == NP - 1 and number == 0:
+                _log(events, "killed", worker=worker, rank=hvd.rank(), round=number)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = _batch(state.step, hvd.rank())
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             state.step += 1
-            attempt = protocol.progress.plan.number if protocol.progress.plan else 0
-            _log(events, f"step {state.step} size {hvd.size()} attempt {attempt}")
+            where = {"rank": hvd.rank(), "size": hvd.size(), "round": number}
+            _log(events, "step", step=state.step, worker=worker, **where)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
@@ -127,16 +159,19 @@ def torch_worker(events: str, checkpoint: str) -> None:
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
     ddp = DistributedDataParallel(model)
+    # A restarted worker is a new process: the rank names the worker across attempts.
+    where = {"worker": rank, "rank": rank, "size": size, "round": restart}
+    _log(events, "joined", **where)
     while step < STEPS:
         if step == KILL_AT and rank == NP - 1 and restart == 0:
-            _log(events, "killed")
+            _log(events, "killed", worker=rank, rank=rank, round=restart)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = _batch(step, rank)
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
         step += 1
-        _log(events, f"step {step} size {dist.get_world_size()} attempt {restart}")
+        _log(events, "step", step=step, **where)
         if step % COMMIT_EVERY == 0 and rank == 0:
             tmp = checkpoint + ".tmp"
             torch.save(
@@ -157,8 +192,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_once(kind: str, workdir: str) -> dict[str, float]:
-    """Run one job; returns its recovery time and how long the whole job took."""
+def run_once(kind: str, workdir: str) -> dict[str, Any]:
+    """Run one job; returns its recovery time, how long the whole job took, when it was
+    launched and its events."""
     events = os.path.join(workdir, f"{kind}-events.txt")
     for path in (events, os.path.join(workdir, "checkpoint.pt")):
         if os.path.exists(path):
@@ -185,44 +221,70 @@ def run_once(kind: str, workdir: str) -> dict[str, float]:
             f"{kind} job failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         )
     with open(events) as f:
-        lines = [line.split(" ", 1) for line in f.read().splitlines()]
-    killed = [float(t) for t, what in lines if what == "killed"]
+        lines = parse_events(f.read())
+    killed = [e["t"] for e in lines if e["event"] == "killed"]
     if len(killed) != 1:
         raise RuntimeError(f"{kind}: expected one kill, the events say {len(killed)}")
     # The first step of the recovered job (hora's next round, torchrun's next attempt).
-    after = [float(t) for t, what in lines if what.startswith("step") and not what.endswith(" 0")]
-    return {"recovery_s": min(after) - killed[0], "job_s": finished - started}
+    after = [e["t"] for e in lines if e["event"] == "step" and e["round"] != 0]
+    return {
+        "recovery_s": min(after) - killed[0],
+        "job_s": finished - started,
+        "launched": started,
+        "events": lines,
+        # horarun's line about each new round (hora), for the chart.
+        "driver": [
+            line
+            for line in (done.stdout + done.stderr).splitlines()
+            if line.startswith("horarun: round ")
+        ],
+    }
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="jobs per launcher (default 3)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
+    harness.add_chart_options(parser, CHART)
     parser.add_argument("--worker", choices=["hora", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--events", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker == "hora":
-        hora_worker(args.events)
-        return 0
-    if args.worker == "torch":
-        torch_worker(args.events, args.checkpoint)
-        return 0
+def measure(repeats: int) -> dict[str, Any]:
+    """Run ``repeats`` jobs of each launcher, alternating; the results, every event included."""
     load_before = os.getloadavg()
-    samples: dict[str, list[dict[str, float]]] = {"hora": [], "torchrun": []}
+    samples: dict[str, list[dict[str, Any]]] = {"hora": [], "torchrun": []}
     with tempfile.TemporaryDirectory() as workdir:
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for kind in ("hora", "torchrun"):
                 samples[kind].append(run_once(kind, workdir))
     medians = {
         kind: {key: statistics.median(s[key] for s in runs) for key in ("recovery_s", "job_s")}
         for kind, runs in samples.items()
     }
-    ratio = medians["hora"]["recovery_s"] / medians["torchrun"]["recovery_s"]
+    return {
+        "hora_version": hora.__version__,
+        "hora_revision": harness.source_revision(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        **harness.run_facts(),
+        "np": NP,
+        "steps": STEPS,
+        "kill_at": KILL_AT,
+        "killed_rank": NP - 1,
+        "commit_every": COMMIT_EVERY,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "samples": samples,
+        "medians": medians,
+        "ratio": medians["hora"]["recovery_s"] / medians["torchrun"]["recovery_s"],
+    }
+
+
+def print_report(results: dict[str, Any]) -> None:
+    medians, ratio, samples = results["medians"], results["ratio"], results["samples"]
     header = ("np=3, rank 2 killed at step 20", "hora (elastic)", "torchrun (restart)", "ratio")
     rows = [
         (
@@ -239,30 +301,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     ]
     print(
-        f"hora {hora.__version__} ({harness.source_revision()}) elastic recovery vs torchrun "
-        f"(torch {torch.__version__}), {args.repeats} jobs each; medians"
+        f"hora {results['hora_version']} ({results['hora_revision']}) elastic recovery vs "
+        f"torchrun (torch {results['torch_version']}), {len(samples['hora'])} jobs each; medians"
     )
     print("\n".join(harness.table(header, rows)))
+    for kind in ("hora", "torchrun"):
+        shown = ", ".join(f"{s['recovery_s'] * 1000:.0f} ms" for s in samples[kind])
+        print(f"{kind} recovery samples: {shown}")
     print(
-        "hora recovery samples: "
-        + ", ".join(f"{s['recovery_s'] * 1000:.0f} ms" for s in samples["hora"])
+        f"load average {results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after"
     )
-    print(
-        "torchrun recovery samples: "
-        + ", ".join(f"{s['recovery_s'] * 1000:.0f} ms" for s in samples["torchrun"])
-    )
-    print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print(f"goal hora/torchrun <= {GOAL:.1f}x: {harness.verdict(ratio <= GOAL)}")
+    print(f"goal hora/torchrun <= {GOAL:.1f}x: {harness.verdict(ratio <= GOAL)}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker == "hora":
+        hora_worker(args.events)
+        return 0
+    if args.worker == "torch":
+        torch_worker(args.events, args.checkpoint)
+        return 0
+    results = measure(args.repeats)
+    print_report(results)
     if args.json:
-        results = {
-            "hora_version": hora.__version__,
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version(),
-            "samples": samples,
-            "medians": medians,
-            "ratio": ratio,
-        }
         harness.write_json(args.json, results)
+    chart = harness.chart_path(args, CHART)
+    if chart:
+        charts.elastic_rounds(results, chart)
     return 0
 
 

@@ -1,14 +1,17 @@
 """What the benchmarks share: starting themselves through horarun, the raw torch.distributed
-peer group beside hora, the slowest rank's timings, and the report's small helpers."""
+peer group beside hora, the slowest rank's timings, the report's small helpers, and the options
+and facts (date, machine) of the charts that some of them draw (see charts.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch
@@ -154,9 +157,11 @@ def report(
     rank: int,
     table: Callable[[dict[str, Any]], str],
     json_path: str | None,
+    chart: Callable[[dict[str, Any]], object] | None = None,
 ) -> None:
     """End a benchmark run on every rank: record its run time and load, and have rank 0 print
-    ``table(results)`` (and write every sample to ``json_path``, when given)."""
+    ``table(results)`` (write every sample to ``json_path``, and draw ``chart(results)``, when
+    given)."""
     import time
 
     dist.barrier()
@@ -166,6 +171,8 @@ def report(
         print(table(results), flush=True)
         if json_path:
             write_json(json_path, results)
+        if chart is not None:
+            chart(results)
     dist.barrier()
 
 
@@ -174,3 +181,58 @@ def write_json(path: str, results: Any) -> None:
     with open(path, "w", encoding="utf-8") as out:
         json.dump(results, out, indent=2)
         out.write("\n")
+
+
+# ---------------------------------------------------------------- charts
+
+DOCS_IMAGES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "images"
+)
+
+
+def add_chart_options(parser: argparse.ArgumentParser, docs_name: str) -> None:
+    """``--plot PATH`` and ``--docs`` (the chart at ``docs/images/<docs_name>``)."""
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="also draw the results as a PNG chart here (needs matplotlib: "
+        "pip install 'hora[plot]')",
+    )
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help=f"draw the chart the documentation shows: --plot docs/images/{docs_name}",
+    )
+
+
+def chart_path(args: argparse.Namespace, docs_name: str) -> str | None:
+    """Where the chart goes: ``--plot``, else ``docs/images/<docs_name>`` under ``--docs``
+    (absolute, so that workers started elsewhere write the same file), or ``None``."""
+    if args.plot:
+        return os.path.abspath(args.plot)
+    return os.path.join(DOCS_IMAGES, docs_name) if args.docs else None
+
+
+def run_facts() -> dict[str, str]:
+    """When and where a benchmark ran, for its chart's caption: the date (UTC) and the
+    machine (CPU model and count, operating system, Python)."""
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": (
+            f"{os.cpu_count()} CPUs ({cpu_model()}), {platform.system()} "
+            f"{platform.release()}, Python {platform.python_version()}"
+        ),
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (or the platform's word for it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

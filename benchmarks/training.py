@@ -33,7 +33,10 @@ DDP, DDP, hora, single, ...) so that drift in the machine's load hits all alike.
 throughput >= 1.05x DDP's; with ``--np 1``, on the CPU or a GPU, it is what hora's
 ``DistributedOptimizer`` costs the loop: hora's throughput >= 0.98x the single mode's (an
 overhead of at most 2%). Rank 0 prints the table, with a breakdown of rank 0's median step into
-forward, backward and ``step()``; ``--json PATH`` also writes every sample there.
+forward, backward and ``step()``; ``--json PATH`` also writes every sample there. The spread of
+the ratio within the run is that of its pairs of adjacent hora and DDP blocks (each block's
+median step, slowest rank). ``--plot PATH`` draws the ratios as a bar chart, with that spread
+as error bars; ``--docs`` draws docs/images/training_vs_ddp.png (see charts.py).
 
 ``--device cuda`` trains on GPUs instead (the default is ``--device cpu``, as above): each worker
 uses GPU ``local_rank % device_count`` for its models and batches, the single-process mode
@@ -82,6 +85,7 @@ from hora.common.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts
 import harness
 
 GOAL = 1.05  # hora throughput / DDP throughput
@@ -89,6 +93,7 @@ GOALS = {"cpu": GOAL, "cuda": 1.0}  # the same, by --device
 # With one worker: hora samples/s / single-process samples/s (hora's overhead at most 2%).
 ALONE_GOAL = 0.98
 RAW_PREFIX = "raw-train-bench/"
+CHART = "training_vs_ddp.png"  # under docs/images/ with --docs
 SEED = 1234
 LEARNING_RATE = 0.01
 MOMENTUM = 0.9
@@ -317,6 +322,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default 0: one allreduce per parameter, Horovod's default)",
     )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
+    harness.add_chart_options(parser, CHART)
     args = parser.parse_args(argv)
     for name in ("iters", "block", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -338,6 +344,9 @@ def relaunch(args: argparse.Namespace) -> int:
         forwarded += ["--batch-size", str(args.batch_size)]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
+    chart = harness.chart_path(args, CHART)
+    if chart:
+        forwarded += ["--plot", chart]
     return harness.relaunch(__file__, args.np, forwarded)
 
 
@@ -595,6 +604,9 @@ def bench_model(
     single = row["single"]["samples_per_s"]
     hora_rate, ddp_rate = row["hora"]["samples_per_s"], row["ddp"]["samples_per_s"]
     row["ratio"] = hora_rate / ddp_rate
+    row["ratio_blocks"] = block_ratios(
+        row["hora"]["step_samples_s"], row["ddp"]["step_samples_s"], args.block
+    )
     row["hora_efficiency"] = hora_rate / (size * single)
     row["ddp_efficiency"] = ddp_rate / (size * single)
     if size == 1:
@@ -609,6 +621,16 @@ def bench_model(
     row["hora_ranks_agree"] = ranks_agree(modes["hora"].module)
     row["ddp_ranks_agree"] = ranks_agree(ddp_module)
     return row
+
+
+def block_ratios(hora_steps: list[float], ddp_steps: list[float], block: int) -> list[float]:
+    """hora's throughput over DDP's in each pair of blocks that ran one after the other:
+    DDP's median step over hora's, block by block (the blocks alternate, see Alternation)."""
+    starts = range(0, min(len(hora_steps), len(ddp_steps)), block)
+    return [
+        statistics.median(ddp_steps[i : i + block]) / statistics.median(hora_steps[i : i + block])
+        for i in starts
+    ]
 
 
 # ---------------------------------------------------------------- report
@@ -690,6 +712,11 @@ def format_table(results: dict[str, Any]) -> str:
         f"run time {results['elapsed_s']:.1f} s on {results['cpus']} CPUs; load average "
         f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after"
     )
+    spread = ", ".join(
+        f"{r['model']} {min(r['ratio_blocks']):.2f}-{max(r['ratio_blocks']):.2f}x"
+        for r in results["models"]
+    )
+    notes += f"\nhora/DDP of each pair of adjacent blocks, lowest-highest: {spread}"
     passed = sum(r["pass"] for r in results["models"])
     summary = f"goals met: {passed}/{len(results['models'])}"
     lines = [title, *harness.table(header, rows)]
@@ -742,6 +769,7 @@ def worker(args: argparse.Namespace) -> None:
         "hora_revision": harness.source_revision() if rank == 0 else None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
+        **harness.run_facts(),
         "world_size": size,
         "cpus": os.cpu_count(),
         "threads_per_process": torch.get_num_threads(),
@@ -765,7 +793,9 @@ def worker(args: argparse.Namespace) -> None:
     path = basics.gpu_data_path() if device.type == "cuda" else None
     results["hora_gpu_path"] = path
     results["device_label"] = device_label(device, shared, path)
-    harness.report(results, started, rank, format_table, args.json)
+    chart = harness.chart_path(args, CHART)
+    draw = (lambda r: charts.training_vs_ddp(r, chart)) if chart else None
+    harness.report(results, started, rank, format_table, args.json, draw)
     dist.destroy_process_group()
     hvd.shutdown()
 

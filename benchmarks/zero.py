@@ -52,6 +52,12 @@ takes one untimed step, then times ``--steps`` steps. The modes' blocks alternat
 And two checks, on an evenly spaced sample of 100,000 parameters after each block: whether every
 rank holds the same values, and how far the other modes' are from hora's (every block takes the
 same steps on the same data from the same start).
+
+``--plot PATH`` also draws memory per rank (peak RSS, and the optimizer state) and step time per
+mode as a PNG chart, a column per model and a group of bars per ``--np``; ``--docs`` draws
+docs/images/zero_modes.png (see charts.py)::
+
+    .venv/bin/python benchmarks/zero.py --np 2 4 --docs
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ from hora.common import basics
 from hora.torch import ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts
 import harness
 
 MODES = ("hora", "zero1", "zero2", "zero2-overlap", "torch-zero")
@@ -95,6 +102,7 @@ STATE_GOAL = 1.01  # sharded state <= unsharded / N * this
 WIRE_GOAL = 0.01  # |sharded wire / unsharded wire - 1| <= this
 STEP_GOAL = 1.05  # sharded step time <= unsharded's * this
 SAMPLED = 100_000  # parameters compared between ranks and modes
+CHART = "zero_modes.png"  # under docs/images/ with --docs
 
 dist: Any = _dist
 
@@ -457,6 +465,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--batch-size", type=int, default=16, help="samples per rank and step (default 16)"
     )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
+    harness.add_chart_options(parser, CHART)
     args = parser.parse_args(argv)
     if min(args.np) < 2 or args.steps < 1 or args.reps < 1 or args.batch_size < 1:
         parser.error("--np must be at least 2; --steps, --reps and --batch-size at least 1")
@@ -478,6 +487,7 @@ def worker(args: argparse.Namespace) -> None:
         "hora_revision": harness.source_revision() if rank == 0 else None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
+        **harness.run_facts(),
         "world_size": size,
         "cpus": os.cpu_count(),
         "load_before": load_before,
@@ -485,9 +495,13 @@ def worker(args: argparse.Namespace) -> None:
         "steps": args.steps,
         "reps": args.reps,
         "baseline_rss_bytes": BASELINE[0],
+        "modes": list(MODES),
         "models": [bench_model(MODELS[name], args) for name in args.models],
     }
-    harness.report(results, started, rank, format_table, args.json)
+    # Run under horarun by hand (one job): its chart; relaunched, main() draws every job's.
+    chart = harness.chart_path(args, CHART)
+    draw = (lambda r: charts.zero_modes([r], chart)) if chart else None
+    harness.report(results, started, rank, format_table, args.json, draw)
     dist.destroy_process_group()
     hvd.shutdown()
 
@@ -510,6 +524,9 @@ def main() -> int:
                     collected.append(json.load(f))
     if args.json:
         harness.write_json(args.json, collected)
+    chart = harness.chart_path(args, CHART)
+    if chart and collected:
+        charts.zero_modes(collected, chart)
     return status
 
 
