@@ -23,6 +23,7 @@ This module knows files, names and owners; not what the bytes mean.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -30,6 +31,7 @@ import os
 import pwd
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from hora.common.job.shm_names import (
@@ -257,23 +259,11 @@ def open_published(found: SegmentFile, total: int) -> int:
             (another user's, renamed into place, a link, a FIFO): the message names it and its
             owner.
     """
-    try:
-        folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        raise SegmentError(f"cannot open {SHM_DIR}: {exc.strerror or exc}") from None
-    inner = -1
-    try:
-        if found.directory:
-            inner = _open_directory(folder, found)
-        where = inner if inner >= 0 else folder
+    with _folder_of(found) as where:
         try:
             fd = os.open(found.name, _OPEN, dir_fd=where)
         except OSError as exc:
             raise SegmentError(_refusal(where, found, exc)) from None
-    finally:
-        os.close(folder)
-        if inner >= 0:
-            os.close(inner)
     info = os.fstat(fd)
     expected = (found.device, found.inode)
     why = ""
@@ -287,6 +277,29 @@ def open_published(found: SegmentFile, total: int) -> int:
         os.close(fd)
         raise SegmentError(f"{found.path} is not the segment its creator made: {why}{_TAMPERED}")
     return fd
+
+
+@contextlib.contextmanager
+def _folder_of(found: SegmentFile) -> Iterator[int]:
+    """The open directory that holds ``found``'s name: ``/dev/shm``, or the private directory
+    in it, proven to be its creator's.
+
+    Raises:
+        SegmentError: it cannot be opened, or the private directory is another.
+    """
+    try:
+        folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise SegmentError(f"cannot open {SHM_DIR}: {exc.strerror or exc}") from None
+    inner = -1
+    try:
+        if found.directory:
+            inner = _open_directory(folder, found)
+        yield inner if inner >= 0 else folder
+    finally:
+        os.close(folder)
+        if inner >= 0:
+            os.close(inner)
 
 
 _TAMPERED = ". Another user may be renaming files in /dev/shm (give it the sticky bit: chmod +t)"
@@ -341,27 +354,15 @@ def owner(uid: int) -> str:
 def remove(found: SegmentFile) -> None:
     """Remove ``found``'s name (and its private directory), if that name is still its file."""
     try:
-        folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    inner = -1
-    try:
-        if found.directory:
+        with _folder_of(found) as where:
             try:
-                inner = _open_directory(folder, found)
-            except SegmentError:
-                return
-        where = inner if inner >= 0 else folder
-        try:
-            info = os.stat(found.name, dir_fd=where, follow_symlinks=False)
-        except OSError:
-            info = None
-        if info is not None and (info.st_dev, info.st_ino) == (found.device, found.inode):
-            _unlink_quietly(where, found.name)
-    finally:
-        os.close(folder)
-        if inner >= 0:
-            os.close(inner)
+                info = os.stat(found.name, dir_fd=where, follow_symlinks=False)
+            except OSError:
+                info = None
+            if info is not None and (info.st_dev, info.st_ino) == (found.device, found.inode):
+                _unlink_quietly(where, found.name)
+    except SegmentError:
+        return  # /dev/shm or the private directory is not there, or not its creator's
     if found.directory:
         _remove_directory(found.directory)
 
