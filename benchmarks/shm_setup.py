@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
 from hora.common.job.shm_names import SHM_DIR, unsafe_directory
@@ -60,11 +61,11 @@ def peer_round(slot_bytes: int) -> None:
     made.close()
 
 
-def timed(round_: object, rounds: int, slot_bytes: int) -> float:
+def timed(round_: Callable[[int], None], rounds: int, slot_bytes: int) -> float:
     """Seconds per round, over ``rounds`` rounds."""
     started = time.perf_counter()
     for _ in range(rounds):
-        round_(slot_bytes)  # type: ignore[operator]
+        round_(slot_bytes)
     return (time.perf_counter() - started) / rounds
 
 

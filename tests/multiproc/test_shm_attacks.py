@@ -9,6 +9,7 @@ segment-level checks run in this host's ``/dev/shm``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -38,7 +39,9 @@ pytestmark = [
 ]
 
 
+@functools.cache
 def _namespaces_work() -> bool:
+    """Whether this machine lets the tests make a private mount namespace (asked once)."""
     if shutil.which("unshare") is None:
         return False
     probe = subprocess.run(
