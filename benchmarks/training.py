@@ -81,7 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 import hora
 import hora.torch as hvd
 from hora.common import basics
-from hora.common.config import Settings
+from hora.common.vocabulary.config import Settings
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

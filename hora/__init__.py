@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hora.common.errors import HoraInternalError, HorovodInternalError
+from hora.common.vocabulary.errors import HoraInternalError, HorovodInternalError
 
 __version__ = "0.1.0"
 

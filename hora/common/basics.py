@@ -2,7 +2,7 @@
 
 Every answer comes from the running :class:`~hora.common.runtime.Session`; each raises
 ``ValueError`` before ``init`` (Horovod's "not initialized"). Starting and stopping are
-:mod:`hora.common.lifecycle`'s, what the installation can do :mod:`hora.common.build_info`'s.
+:mod:`hora.common.startup.lifecycle`'s, what the installation can do :mod:`hora.common.build_info`'s.
 """
 
 from __future__ import annotations

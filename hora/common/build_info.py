@@ -164,7 +164,7 @@ def _nccl() -> Capability:
     import torch
     import torch.distributed as dist
 
-    from hora.common.config import Settings
+    from hora.common.vocabulary.config import Settings
 
     if not dist.is_available() or not dist.is_nccl_available():
         return Capability("NCCL", False, "this torch build has no NCCL")

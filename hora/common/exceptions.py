@@ -1,6 +1,6 @@
 """Compatibility path for scripts that import ``horovod.common.exceptions``.
 
-hora's exception types live in :mod:`hora.common.errors`; this module gives them (and the
+hora's exception types live in :mod:`hora.common.vocabulary.errors`; this module gives them (and the
 version-mismatch error Horovod's compiled extensions raise) at the path Horovod scripts import
 them from. ``from hora.common.exceptions import HorovodInternalError`` gives the very class hora's
 collectives raise, so ``except`` clauses written for Horovod catch hora's errors.
@@ -15,7 +15,11 @@ Example:
 
 from __future__ import annotations
 
-from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.common.vocabulary.errors import (
+    HoraInternalError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+)
 
 __all__ = [
     "HoraInternalError",

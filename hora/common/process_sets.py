@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from hora.common.errors import NOT_INITIALIZED
+from hora.common.vocabulary.errors import NOT_INITIALIZED
 
 
 class ProcessSet:
@@ -197,7 +197,7 @@ class ProcessSetTable:
 
 
 # Horovod's horovod.common.process_sets also holds add_process_set and remove_process_set. hora
-# registers sets in hora.common.registration, which builds on this module; for scripts that
+# registers sets in hora.common.startup.registration, which builds on this module; for scripts that
 # import them from here, the two names are looked up in it on first use, by name, so that this
 # module never imports it (no import cycle).
 _REGISTRATION = {
@@ -210,6 +210,6 @@ def __getattr__(name: str) -> Any:
     if name in _REGISTRATION:
         import importlib
 
-        registration = importlib.import_module("hora.common.registration")
+        registration = importlib.import_module("hora.common.startup.registration")
         return getattr(registration, _REGISTRATION[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ new workers of an elastic round do.
 
 Every module reaches the state through :func:`runtime` (and :func:`session`); none keeps
 process state of its own. This module holds state and starts nothing:
-:mod:`hora.common.lifecycle` makes and tears down sessions.
+:mod:`hora.common.startup.lifecycle` makes and tears down sessions.
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hora.common.errors import NOT_INITIALIZED
+from hora.common.vocabulary.errors import NOT_INITIALIZED
 
 if TYPE_CHECKING:
     from hora.common.engine import Engine, Handle
     from hora.common.job.store import StoreClient
     from hora.common.job.topology import Topology
-    from hora.common.message import Request
     from hora.common.process_sets import ProcessSet
+    from hora.common.vocabulary.message import Request
 
 # The integer handle a caller holds: the engine's handle, and what turns its per-tensor results
 # into the call's result (``None``: the usual shapes).
 HandleEntry = tuple["Handle", Callable[[list[Any]], Any] | None]
 # A recent named grouped call's tensors' signature and its requests (see
-# ``hora.common.submission``): recognised by kind, name, process set and fields.
+# ``hora.common.ops.submission``): recognised by kind, name, process set and fields.
 GroupedEntry = tuple[tuple[Any, ...], list["Request"]]
 
 

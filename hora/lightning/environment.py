@@ -13,9 +13,9 @@ import logging
 import os
 
 from hora.common import basics
-from hora.common import settings_table as table
-from hora.common.config import is_set
 from hora.common.job.topology import Topology, detect
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import is_set
 from hora.lightning._compat import ClusterEnvironment, find_free_network_port
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.common import settings_table as table
+from hora.common.vocabulary import settings_table as table
 from hora.ray import _worker
 from hora.runner.hosts import Slot
 

@@ -20,7 +20,7 @@ import socket
 import threading
 from typing import Any
 
-from hora.common import settings_table as table
+from hora.common.vocabulary import settings_table as table
 
 # Variables an outer launcher may have left in the Ray worker's environment (Ray workers inherit
 # the environment of the process that started Ray) that would make hvd.init() take the wrong
@@ -178,10 +178,10 @@ def shutdown_hora() -> bool:
     """``hvd.shutdown()`` here, if hora runs; whether it did."""
     import sys
 
-    if "hora.common.lifecycle" not in sys.modules:
+    if "hora.common.startup.lifecycle" not in sys.modules:
         return False  # the train function never imported hora
-    from hora.common import lifecycle
     from hora.common.basics import is_initialized
+    from hora.common.startup import lifecycle
 
     if not is_initialized():
         return False

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hora.common.settings_table import LOG_LEVELS
+from hora.common.vocabulary.settings_table import LOG_LEVELS
 from hora.runner.flags import BY_DEST, GROUPS, OPTIONS, Option
 from hora.runner.launch_options import OptionError, Values
 

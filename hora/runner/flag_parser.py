@@ -17,7 +17,7 @@ import difflib
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from hora.common.settings_table import LOG_LEVELS
+from hora.common.vocabulary.settings_table import LOG_LEVELS
 from hora.runner.flags import GROUPS, OPTIONS, Option
 from hora.runner.launch_options import OptionError
 

@@ -3,7 +3,7 @@
 One :class:`Option` per flag holds all its facts: its names, its ``dest`` (what its value is
 called while parsing, and what names it in a field of the typed options), its help, its key in
 the YAML config file, its range, the ``HORA_*`` variable it sets for the workers (a
-:class:`~hora.common.settings_table.Variable`, which brings that variable's name, ``HOROVOD_*``
+:class:`~hora.common.vocabulary.settings_table.Variable`, which brings that variable's name, ``HOROVOD_*``
 twin, default and range), and whether it has no effect in hora, is refused, or only means
 something in an elastic job. :mod:`hora.runner.options` builds the parser, reads the config
 file, validates the values, computes the workers' environment and fills the typed options
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hora.common import settings_table as var
-from hora.common.settings_table import (
+from hora.common.vocabulary import settings_table as var
+from hora.common.vocabulary.settings_table import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
     POSITIVE,

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.common import settings_table as table
+from hora.common.vocabulary import settings_table as table
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

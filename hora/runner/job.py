@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
 
-from hora.common import settings_table as table
 from hora.common.job.shm_names import sweep_job
+from hora.common.vocabulary import settings_table as table
 from hora.runner import options
 from hora.runner.hosts import Slot
 from hora.runner.options import HostOptions, LaunchOptions, OutputOptions

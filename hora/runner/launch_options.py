@@ -19,7 +19,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from hora.common.settings_table import HOST_DISCOVERY_TIMEOUT, LAUNCHER_TIMEOUT_SECONDS
+from hora.common.vocabulary.settings_table import HOST_DISCOVERY_TIMEOUT, LAUNCHER_TIMEOUT_SECONDS
 from hora.runner.flags import BY_DEST
 from hora.runner.remote import SshSettings
 

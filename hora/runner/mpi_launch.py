@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hora.common import settings_table as table
+from hora.common.vocabulary import settings_table as table
 from hora.runner import options
 from hora.runner.options import HostOptions, LaunchOptions
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 from hora.runner.flags import BY_DEST, OPTIONS
 from hora.runner.launch_options import OptionError, Values
 
@@ -84,7 +84,7 @@ def _check_elastic(values: Values) -> None:
 
 def _check_output_directory(directory: str) -> None:
     """Create ``--output-filename``'s directory now, so that a problem stops the job before any
-    worker starts (files in it are created by :mod:`hora.common.safe_files`)."""
+    worker starts (files in it are created by :mod:`hora.common.vocabulary.safe_files`)."""
     try:
         safe_files.make_directories(directory)
     except OSError as exc:

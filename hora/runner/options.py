@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from hora.common import config
-from hora.common.settings_table import (
+from hora.common.vocabulary import config
+from hora.common.vocabulary.settings_table import (
     ELASTIC_TIMEOUT,
     HOST_DISCOVERY_TIMEOUT,
     LAUNCHER_TIMEOUT_SECONDS,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hora.common import settings_table as table
+from hora.common.vocabulary import settings_table as table
 from hora.runner import watchdog
 from hora.runner.hosts import HostError
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hora.common import settings_table as table
 from hora.common.job.store import (
     StoreClient,
     new_secret,
@@ -18,6 +17,7 @@ from hora.common.job.store import (
     start_store_server,
 )
 from hora.common.job.store_keys import CAUSE, exit_key
+from hora.common.vocabulary import settings_table as table
 
 
 class RendezvousServer:

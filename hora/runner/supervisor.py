@@ -30,8 +30,8 @@ from typing import IO, Any
 
 import psutil
 
-from hora.common import safe_files
-from hora.common.settings_table import LAUNCHER_TIMEOUT_SECONDS
+from hora.common.vocabulary import safe_files
+from hora.common.vocabulary.settings_table import LAUNCHER_TIMEOUT_SECONDS
 from hora.runner.hosts import Slot
 from hora.runner.options import env_seconds
 from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload

@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_static() -> int:
-    from hora.common.config import start_timeout_s
     from hora.common.job.store import StoreClient
     from hora.common.job.topology import detect
+    from hora.common.vocabulary.config import start_timeout_s
     from hora.runner.api import result_key
 
     topology = detect()
@@ -91,8 +91,8 @@ def _run_elastic() -> int:
 def _run_under_mpi() -> int:
     from mpi4py import MPI
 
-    from hora.common.config import start_timeout_s
     from hora.common.job.store import StoreClient
+    from hora.common.vocabulary.config import start_timeout_s
     from hora.runner.api import result_key
 
     world = MPI.COMM_WORLD
@@ -151,7 +151,7 @@ def _call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, 
 
 def _shut_down() -> None:
     try:
-        from hora.common.lifecycle import shutdown
+        from hora.common.startup.lifecycle import shutdown
 
         shutdown()
     except Exception:  # the outcome is already posted

@@ -44,20 +44,20 @@ from hora.common.build_info import (
     nccl_built,
     rocm_built,
 )
-from hora.common.collectives import Adasum, Average, Max, Min, Product, Sum
 from hora.common.engine.adasum import is_power_of_two as check_num_rank_power_of_2
-from hora.common.errors import (
+from hora.common.ops.collectives import Adasum, Average, Max, Min, Product, Sum
+from hora.common.ops.submission import handle_average_backwards_compatibility
+from hora.common.process_sets import ProcessSet
+from hora.common.startup.lifecycle import init, shutdown
+from hora.common.startup.registration import register_process_set as add_process_set
+from hora.common.startup.registration import unregister_process_set as remove_process_set
+from hora.common.startup.timeline import start_timeline, stop_timeline
+from hora.common.vocabulary.errors import (
     HoraInternalError,
     HoraValueError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
 )
-from hora.common.lifecycle import init, shutdown
-from hora.common.process_sets import ProcessSet
-from hora.common.registration import register_process_set as add_process_set
-from hora.common.registration import unregister_process_set as remove_process_set
-from hora.common.submission import handle_average_backwards_compatibility
-from hora.common.timeline_control import start_timeline, stop_timeline
 from hora.tensorflow._bridge import HoraTensorFlowError, HoraTensorFlowValueError
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.functions import (

@@ -41,8 +41,8 @@ import torch
 from torch.utils import dlpack as _torch_dlpack
 
 from hora.common import basics
-from hora.common.errors import HoraInternalError, HoraValueError
 from hora.common.process_sets import ProcessSet
+from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 
 # torch's stubs do not export to_dlpack.
 torch_dlpack: Any = _torch_dlpack
@@ -52,7 +52,7 @@ class HoraTensorFlowError(tf.errors.FailedPreconditionError, HoraInternalError):
     """A collective failed (ranks disagreed, a peer was lost, hora shut down).
 
     It is TensorFlow's ``FailedPreconditionError``, as Horovod's TensorFlow ops raise, and hora's
-    :class:`~hora.common.errors.HoraInternalError` (``HorovodInternalError``), which elastic
+    :class:`~hora.common.vocabulary.errors.HoraInternalError` (``HorovodInternalError``), which elastic
     training catches.
     """
 
@@ -67,7 +67,7 @@ class HoraTensorFlowValueError(tf.errors.InvalidArgumentError, HoraValueError): 
     """hora refused a call before it ran (an argument it cannot take).
 
     It is TensorFlow's ``InvalidArgumentError``, as Horovod's TensorFlow ops raise, and hora's
-    :class:`~hora.common.errors.HoraValueError` (a ``ValueError``).
+    :class:`~hora.common.vocabulary.errors.HoraValueError` (a ``ValueError``).
     """
 
     def __init__(self, message: str) -> None:

@@ -1,4 +1,4 @@
-"""Gradient compression for TensorFlow tensors: :mod:`hora.common.compression`'s policy with
+"""Gradient compression for TensorFlow tensors: :mod:`hora.common.ops.compression`'s policy with
 TensorFlow's casts (``Compression.none``, ``.fp16``, ``.bf16``)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.common.compression import CastCompressor, Compressor, NoneCompressor
+from hora.common.ops.compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 

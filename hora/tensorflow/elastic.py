@@ -26,7 +26,11 @@ from hora.common import basics
 from hora.common.elastic import loop as _loop
 from hora.common.elastic.loop import run_fn
 from hora.common.elastic.state import Commit, ObjectState
-from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.common.vocabulary.errors import (
+    HoraInternalError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+)
 from hora.tensorflow import ops
 from hora.tensorflow.functions import (  # horovod.tensorflow.elastic has these four too
     broadcast_object,

@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.common import objects
+from hora.common.ops import objects
 from hora.common.process_sets import ProcessSet
 from hora.tensorflow import ops
 from hora.tensorflow._bridge import session_graph

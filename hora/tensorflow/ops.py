@@ -1,7 +1,7 @@
 """Horovod's collective operations on TensorFlow tensors, eager and inside ``tf.function``.
 
 Each collective hands torch views of its inputs to the engine through
-:mod:`hora.common.collectives` (the same checks, names and process sets as PyTorch users get)
+:mod:`hora.common.ops.collectives` (the same checks, names and process sets as PyTorch users get)
 and returns TensorFlow tensors (:mod:`hora.tensorflow._bridge`). The differentiable ones carry
 their gradient with ``tf.custom_gradient``:
 
@@ -23,14 +23,15 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-from hora.common import basics, collectives
-from hora.common.collectives import Adasum as Adasum
-from hora.common.collectives import Average as Average
-from hora.common.collectives import Sum as Sum
-from hora.common.errors import HoraValueError
-from hora.common.message import RequestType
+from hora.common import basics
+from hora.common.ops import collectives
+from hora.common.ops.collectives import Adasum as Adasum
+from hora.common.ops.collectives import Average as Average
+from hora.common.ops.collectives import Sum as Sum
 from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
+from hora.common.vocabulary.errors import HoraValueError
+from hora.common.vocabulary.message import RequestType
 from hora.tensorflow._bridge import as_wire, from_wire, graph_name, run, session_graph
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.runtime_ops import PROCESS_SET_ERROR_INIT as PROCESS_SET_ERROR_INIT
@@ -194,7 +195,7 @@ def allreduce(
         >>> total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
     """
     del device_dense, device_sparse, ignore_name_scope
-    from hora.common import submission
+    from hora.common.ops import submission
 
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
     if isinstance(tensor, tf.IndexedSlices):
@@ -227,7 +228,7 @@ def grouped_allreduce(
     ``tf.IndexedSlices`` in the list are gathered one by one; the dense ones travel together.
     """
     del device_dense, device_sparse, ignore_name_scope
-    from hora.common import submission
+    from hora.common.ops import submission
 
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
     compression = compression or Compression.none
@@ -477,7 +478,7 @@ def _reducescatter(
     grouped: bool,
 ) -> list[tf.Tensor]:
     def backward(_inputs: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
-        from hora.common import submission
+        from hora.common.ops import submission
 
         scale = prescale_factor * postscale_factor
         if op == Sum:
@@ -495,7 +496,7 @@ def _reducescatter(
 
 
 def _scatter_op(op: Any) -> Any:
-    from hora.common import submission
+    from hora.common.ops import submission
 
     reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
     if reduce_op not in (Average, Sum):

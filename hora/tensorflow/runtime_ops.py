@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hora.common import basics, collectives
+from hora.common import basics
+from hora.common.ops import collectives
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.tensorflow._bridge import run_python, session_graph
 

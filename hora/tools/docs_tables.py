@@ -2,7 +2,7 @@
 
 ``python -m hora.tools.docs_tables`` rewrites, in docs/environment.md, docs/launching.md,
 docs/elastic.md and docs/api.md, every block between ``<!-- table: NAME -->`` and
-``<!-- end table -->`` with the table NAME built from :mod:`hora.common.settings_table` and
+``<!-- end table -->`` with the table NAME built from :mod:`hora.common.vocabulary.settings_table` and
 :mod:`hora.runner.flags` (docs/api.md's "What is not there yet": from
 :mod:`hora.tools.horovod_gaps` and :mod:`hora.tools.horovod_inventory` too);
 ``--check`` changes nothing and exits with 1 when a file differs from what it would write
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hora.common import safe_files
-from hora.common.settings_table import UNHEEDED, VARIABLES, Variable
+from hora.common.vocabulary import safe_files
+from hora.common.vocabulary.settings_table import UNHEEDED, VARIABLES, Variable
 from hora.runner.flags import OPTIONS, Option, number_text
 from hora.tools import horovod_gaps, horovod_inventory
 

@@ -8,7 +8,7 @@ A gap with no missing path is a feature that hora refuses or does differently.
 docs/api.md's "What is not there yet" is written from this table by
 ``python -m hora.tools.docs_tables``, with the counts of :mod:`hora.tools.horovod_inventory` and
 the names of Horovod's settings that hora reads without acting on them
-(:data:`hora.common.settings_table.UNHEEDED`, the inert flags of :mod:`hora.runner.flags`),
+(:data:`hora.common.vocabulary.settings_table.UNHEEDED`, the inert flags of :mod:`hora.runner.flags`),
 which docs/environment.md and docs/launching.md explain one by one.
 tests/unit/test_horovod_inventory.py checks both ways: every name of the inventory that is not
 covered here is on hora's module, every missing path is really missing, and each refused or

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 from hora.tools.arguments import not_negative, positive
 from hora.tools.scaling_jobs import (
     BENCHMARK_MODULE,

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.common import safe_files
-from hora.common.settings_table import TIMELINE
+from hora.common.vocabulary import safe_files
+from hora.common.vocabulary.settings_table import TIMELINE
 from hora.tools import timeline
 from hora.tools.scaling_table import Measurement
 

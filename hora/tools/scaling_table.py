@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 
 RESULT_FORMAT = 1  # the benchmark's --json layout this module reads
 # A throughput whose 95% interval exceeds this share of it is reported as noisy.

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 
 # Imported by name, as hora.tools.doctor does, so that type-checking hora/tools (strict) does not
 # pull in hora.torch, which is checked under its own, looser settings.

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hora.common import safe_files
-from hora.common import timeline_writer as common_timeline
-from hora.common.timeline_writer import rank_path
+from hora.common.engine import timeline_writer as common_timeline
+from hora.common.engine.timeline_writer import rank_path
+from hora.common.vocabulary import safe_files
 
 # Rows (``tid``) of a rank's trace.
 TRAINING_ROW = 0

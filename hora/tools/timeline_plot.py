@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 from hora.tools.timeline import (
     BACKWARD,
     FIRST_TENSOR_ROW,

@@ -29,17 +29,17 @@ from hora.common.build_info import (
     nccl_built,
     rocm_built,
 )
-from hora.common.errors import (
+from hora.common.process_sets import ProcessSet
+from hora.common.startup.lifecycle import init, shutdown
+from hora.common.startup.registration import register_process_set as add_process_set
+from hora.common.startup.registration import unregister_process_set as remove_process_set
+from hora.common.startup.timeline import start_timeline, stop_timeline
+from hora.common.vocabulary.errors import (
     HoraInternalError,
     HoraValueError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
 )
-from hora.common.lifecycle import init, shutdown
-from hora.common.process_sets import ProcessSet
-from hora.common.registration import register_process_set as add_process_set
-from hora.common.registration import unregister_process_set as remove_process_set
-from hora.common.timeline_control import start_timeline, stop_timeline
 from hora.torch import elastic
 from hora.torch.compression import Compression
 from hora.torch.functions import (

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hora.common import metrics
-from hora.common.message import ReduceOp
+from hora.common.vocabulary.message import ReduceOp
 from hora.torch import ops
 from hora.torch.gradient_reduction import (
     TOO_MANY_PASSES,

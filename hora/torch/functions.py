@@ -1,5 +1,5 @@
 """Helpers that move model state between ranks: parameters and optimizer state. Python
-objects travel with :mod:`hora.common.objects` (re-exported here, as Horovod has them)."""
+objects travel with :mod:`hora.common.ops.objects` (re-exported here, as Horovod has them)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from hora.common.objects import allgather_object as allgather_object
-from hora.common.objects import broadcast_object as broadcast_object
+from hora.common.ops.objects import allgather_object as allgather_object
+from hora.common.ops.objects import broadcast_object as broadcast_object
 from hora.torch import ops
 from hora.torch.zero_optimizer import ShardedOptimizer
 from hora.torch.zero_state import broadcast_state

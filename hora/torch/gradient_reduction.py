@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from hora.common import submission
-from hora.common.errors import HoraInternalError
+from hora.common.ops import submission
+from hora.common.vocabulary.errors import HoraInternalError
 from hora.torch import ops
 
 STEP_AFTER_SYNCHRONIZE = (
@@ -207,8 +207,8 @@ def global_step_hooks() -> bool:
 
 
 def elastic_job() -> bool:
-    from hora.common import settings_table as table
-    from hora.common.config import read
+    from hora.common.vocabulary import settings_table as table
+    from hora.common.vocabulary.config import read
 
     return bool(read(table.ELASTIC))
 

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from hora.common import basics, collectives, submission
+from hora.common import basics
 from hora.common.engine.adasum import is_power_of_two as num_rank_is_power_2
+from hora.common.ops import collectives, submission
+from hora.common.ops.submission import handle_average_backwards_compatibility
 from hora.common.process_sets import ProcessSet
-from hora.common.submission import handle_average_backwards_compatibility
 from hora.torch import *  # noqa: F403 - Horovod's mpi_ops holds the package's collectives
 from hora.torch import __all__ as _package_names
 from hora.torch import ops

@@ -1,6 +1,6 @@
 """Horovod's collective operations on PyTorch tensors.
 
-Each collective is written once, framework-neutral, in :mod:`hora.common.collectives` (an
+Each collective is written once, framework-neutral, in :mod:`hora.common.ops.collectives` (an
 ``*_async`` function: checks, names, requests, an integer handle); the public asynchronous,
 synchronous, in-place and differentiable forms here are thin wrappers around it. This module
 knows PyTorch's autograd and compression; the rest is the engine's.
@@ -13,21 +13,22 @@ from typing import Any, cast
 
 import torch
 
-from hora.common import basics, collectives, submission
-from hora.common.collectives import Adasum as Adasum
-from hora.common.collectives import Average as Average
-from hora.common.collectives import Max as Max
-from hora.common.collectives import Min as Min
-from hora.common.collectives import Product as Product
-from hora.common.collectives import Sum as Sum
-from hora.common.collectives import join as _join
-from hora.common.collectives import poll as poll
-from hora.common.collectives import results as _results
-from hora.common.collectives import synchronize as synchronize
-from hora.common.errors import HoraValueError
-from hora.common.message import ReduceOp, RequestType
+from hora.common import basics
+from hora.common.ops import collectives, submission
+from hora.common.ops.collectives import Adasum as Adasum
+from hora.common.ops.collectives import Average as Average
+from hora.common.ops.collectives import Max as Max
+from hora.common.ops.collectives import Min as Min
+from hora.common.ops.collectives import Product as Product
+from hora.common.ops.collectives import Sum as Sum
+from hora.common.ops.collectives import join as _join
+from hora.common.ops.collectives import poll as poll
+from hora.common.ops.collectives import results as _results
+from hora.common.ops.collectives import synchronize as synchronize
 from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
+from hora.common.vocabulary.errors import HoraValueError
+from hora.common.vocabulary.message import ReduceOp, RequestType
 from hora.torch.compression import Compression
 
 _allreduce = collectives.allreduce_async

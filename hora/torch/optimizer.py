@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from hora.common import basics, submission
-from hora.common.message import ReduceOp, RequestType
+from hora.common import basics
+from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
+from hora.common.vocabulary.message import ReduceOp, RequestType
 from hora.torch import ops
 from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from hora.torch.averaging_optimizer import _DistributedOptimizer

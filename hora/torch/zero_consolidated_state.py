@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from hora.common.errors import HoraValueError
-from hora.common.objects import allgather_object
+from hora.common.ops.objects import allgather_object
+from hora.common.vocabulary.errors import HoraValueError
 from hora.torch import ops
 from hora.torch.zero_state_format import (
     ShardedOptimizerView,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hora.common.errors import HoraInternalError, HoraValueError
+from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 from hora.torch import ops
 from hora.torch.zero_parameters import ShardedParameters
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from hora.common import submission
-from hora.common.errors import HoraValueError
+from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
+from hora.common.vocabulary.errors import HoraValueError
 from hora.torch.gradient_reduction import parameter_names, split_groups
 from hora.torch.zero_layout import Bucket, Layout, Piece, plan_buckets
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from hora.common.errors import HoraInternalError, HoraValueError
-from hora.common.message import ReduceOp
+from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
+from hora.common.vocabulary.message import ReduceOp
 from hora.torch import ops
 from hora.torch.gradient_reduction import TOO_MANY_PASSES
 from hora.torch.zero_parameters import ShardedParameters

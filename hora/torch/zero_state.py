@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from hora.common import basics
-from hora.common.errors import HoraValueError
-from hora.common.objects import allgather_object, broadcast_object
+from hora.common.ops.objects import allgather_object, broadcast_object
 from hora.common.process_sets import ProcessSet
+from hora.common.vocabulary.errors import HoraValueError
 from hora.torch import ops
 from hora.torch.zero_consolidated_state import consolidated_state_dict
 from hora.torch.zero_state_format import (

@@ -39,7 +39,7 @@ def main() -> int:
     partial = folder / f"rank{_rank()}.tmp"
     partial.write_bytes(blob)
     partial.rename(folder / f"rank{_rank()}.pkl")
-    from hora.common.lifecycle import shutdown
+    from hora.common.startup.lifecycle import shutdown
 
     shutdown()
     return 0

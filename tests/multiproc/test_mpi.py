@@ -130,9 +130,9 @@ def _transport_edges() -> dict[str, Any]:
     and an abort or a timeout ending a wait for a peer that never comes."""
     import threading
 
-    from hora.common.message import ReduceOp
     from hora.common.transport import allgather_bytes
     from hora.common.transport.mpi import MPICommunicator, import_mpi
+    from hora.common.vocabulary.message import ReduceOp
 
     mpi = import_mpi()
     world = mpi.COMM_WORLD

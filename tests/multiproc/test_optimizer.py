@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hora.common.errors import HoraInternalError
+from hora.common.vocabulary.errors import HoraInternalError
 from hora.torch.averaging_optimizer import _HOLD_BELOW
 
 from .jobs import assert_raised, error_of, run_job
@@ -178,7 +178,7 @@ def test_options_keep_training_equivalent(
 
 def _lending_worker() -> dict[str, Any]:
     """Steady-state training whose gradients adopt views of the engine's buffers (see
-    hora.common.submission.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
+    hora.common.ops.submission.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
     zeroed in place, and with a caller that keeps every step's gradients."""
     import hora.torch as hvd
     from hora.common import basics

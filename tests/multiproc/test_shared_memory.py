@@ -334,7 +334,7 @@ def _mixed_placements() -> dict[str, Any]:
 
     import hora.torch as hvd
     from hora.common import basics
-    from hora.common.message import ReduceOp
+    from hora.common.vocabulary.message import ReduceOp
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

@@ -9,7 +9,7 @@ import torch
 from hora.common.engine import carry
 from hora.common.engine.buffers import dtype_name
 from hora.common.engine.handles import Entry, Handle
-from hora.common.message import ReduceOp, Request, RequestType, Response
+from hora.common.vocabulary.message import ReduceOp, Request, RequestType, Response
 
 from ..multiproc.references import DTYPES, assert_same, expected_allreduce, rank_input
 

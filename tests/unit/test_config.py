@@ -1,6 +1,6 @@
 import pytest
 
-from hora.common.config import SettingError, Settings
+from hora.common.vocabulary.config import SettingError, Settings
 
 
 def test_defaults_match_horovod() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from hora import cli
-from hora.common import settings_table
+from hora.common.vocabulary import settings_table
 from hora.runner import options
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import hora.torch as hvd
-from hora.common import errors
 from hora.common.elastic import loop as elastic_loop
 from hora.common.elastic import state as elastic_state
 from hora.common.job import rounds as common_elastic
 from hora.common.runtime import runtime
+from hora.common.vocabulary import errors
 
 ElasticSampler = hvd.elastic.ElasticSampler
 

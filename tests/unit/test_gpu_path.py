@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import hora.torch as hvd
 from hora.common.build_info import nccl_version_code
-from hora.common.config import SettingError, Settings
 from hora.common.transport import TransportError
 from hora.common.transport.nccl import NCCLCommunicator, nccl_available, shared_gpus
+from hora.common.vocabulary.config import SettingError, Settings
 
 
 @pytest.mark.timeout(30)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import hora.torch as hvd
-from hora.common import errors
 from hora.common.elastic import loop, state
+from hora.common.vocabulary import errors
 
 pytestmark = pytest.mark.timeout(60)
 

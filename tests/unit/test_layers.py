@@ -87,16 +87,16 @@ EDGE_ALLOWED = {
         "hora.runner.store_server",
         "hora.runner.hosts",
         "hora.common.job.store",
-        "hora.common.lifecycle",
+        "hora.common.startup.lifecycle",
         "hora.common.basics",
-        "hora.common.settings_table",
+        "hora.common.vocabulary.settings_table",
     ),
     "hora.lightning": (
         "hora.torch",
         "hora.lightning",
         "hora.common.basics",
-        "hora.common.config",
-        "hora.common.settings_table",
+        "hora.common.vocabulary.config",
+        "hora.common.vocabulary.settings_table",
         "hora.common.job.topology",
     ),
 }
@@ -121,14 +121,14 @@ def test_integrations_use_the_public_api_and_what_the_architecture_page_names(ed
 
 def test_settings_are_named_only_in_the_settings_table() -> None:
     """A ``HORA_`` variable is read and written through its declaration
-    (``hora.common.settings_table``), never by a string of its own: a string that is a
+    (``hora.common.vocabulary.settings_table``), never by a string of its own: a string that is a
     variable's whole name, anywhere but in the table, is one. (A message that names a variable
     to the user is text, not a name.)"""
     name = re.compile(r"(HORA|HOROVOD)_[A-Z0-9_]+")
     found = []
     for path in sorted(HORA.rglob("*.py")):
         relative = str(path.relative_to(ROOT))
-        if relative == "hora/common/settings_table.py":
+        if relative == "hora/common/vocabulary/settings_table.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and name.fullmatch(str(node.value)):

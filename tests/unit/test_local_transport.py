@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hora.common.engine import adasum
-from hora.common.message import ReduceOp
 from hora.common.transport import TransportError
 from hora.common.transport.local import LocalCommunicator, local_group
+from hora.common.vocabulary.message import ReduceOp
 
 
 def _on_threads(size: int, work: Callable[[LocalCommunicator], Any]) -> list[Any]:

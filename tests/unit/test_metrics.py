@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hora.common.config import SettingError
 from hora.common.engine.counters import Counters
 from hora.common.metrics import Publisher, parse_ranks, parse_spec
 from hora.common.metrics.records import StepRecord, covered, step_timing
 from hora.common.metrics.sinks import METRICS, MetricsError, PrometheusSink, TensorBoardSink
+from hora.common.vocabulary.config import SettingError
 from hora.runner.flags import metrics_spec
 
 

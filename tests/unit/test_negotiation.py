@@ -1,7 +1,7 @@
 from hora.common.engine.fusion import plan
 from hora.common.engine.negotiation import InlineSlot, MessageTable, ResponseCache, validate
-from hora.common.message import CycleMessage, ReduceOp, Request, RequestType
 from hora.common.process_sets import ProcessSetTable
+from hora.common.vocabulary.message import CycleMessage, ReduceOp, Request, RequestType
 
 
 def _req(name: str = "allreduce.x", **fields: object) -> Request:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hora.common.settings_table import BY_NAME
+from hora.common.vocabulary.settings_table import BY_NAME
 from hora.runner import options
 from hora.runner.flags import BY_DEST
 from hora.runner.options import LaunchOptions, OptionError, Query, Refused

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 import hora
-from hora.common import safe_files
-from hora.common.config import SettingError
+from hora.common.engine.timeline_writer import Timeline, merge
 from hora.common.job import port_file
-from hora.common.timeline_writer import Timeline, merge
+from hora.common.vocabulary import safe_files
+from hora.common.vocabulary.config import SettingError
 
 NOBODY = 65534
 # The victim of the test run as an ordinary user: any uid other than nobody's and root's.
@@ -160,7 +160,7 @@ def test_merging_a_timeline_ignores_files_another_user_put_beside_it(shared: Pat
 VICTIM_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 from hora.common.job import port_file
 
 out = {}

@@ -14,13 +14,18 @@ from typing import Any
 
 import pytest
 
-from hora.common import settings_table as table
-from hora.common.config import AGREED_SETTINGS, SETTINGS_VARIABLES, SettingError, Settings
-from hora.common.errors import HoraInternalError
 from hora.common.job.store import StoreClient, new_secret
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology
-from hora.common.transport.builders import agree_on_settings, differences
+from hora.common.startup.wiring import agree_on_settings, differences
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import (
+    AGREED_SETTINGS,
+    SETTINGS_VARIABLES,
+    SettingError,
+    Settings,
+)
+from hora.common.vocabulary.errors import HoraInternalError
 
 ADVICE = (
     "Set it the same on every rank: horarun passes the launcher's environment to every rank, "

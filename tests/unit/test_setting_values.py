@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from hora.common import config
-from hora.common import settings_table as table
-from hora.common.config import SettingError, Settings
-from hora.common.settings_table import Variable
 from hora.common.transport import shm_segment
 from hora.common.transport.paths import whole_pages
+from hora.common.vocabulary import config
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import SettingError, Settings
+from hora.common.vocabulary.settings_table import Variable
 
 NOT_FINITE = ["inf", "-inf", "nan", "Infinity", "1e400"]
 # Kinds whose values are text: "inf" is a fine file or host name.

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from hora.common import config
-from hora.common import settings_table as table
+from hora.common.vocabulary import config
+from hora.common.vocabulary import settings_table as table
 from hora.runner import flags, options
 from hora.runner.flags import OPTIONS, Option
 from hora.tools import docs_tables
@@ -162,7 +162,7 @@ def test_range_errors_name_the_variable_the_rule_and_the_value() -> None:
 
 
 def test_the_table_imports_nothing_of_hora() -> None:
-    source = (ROOT / "hora/common/settings_table.py").read_text()
+    source = (ROOT / "hora/common/vocabulary/settings_table.py").read_text()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             assert node.module is not None and not node.module.startswith("hora"), node.module

@@ -18,7 +18,7 @@ CLASS_LINES = 400
 FUNCTION_LINES = 80
 # module (relative to hora/) -> why it may be longer
 TABLES = {
-    "common/settings_table.py": "one declaration per HORA_* variable, read by config, the "
+    "common/vocabulary/settings_table.py": "one declaration per HORA_* variable, read by config, the "
     "launcher's flags and the generated docs tables",
 }
 

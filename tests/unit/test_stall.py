@@ -2,8 +2,8 @@
 
 from hora.common.engine.negotiation import MessageTable
 from hora.common.engine.stall import StallInspector
-from hora.common.message import Request, RequestType
 from hora.common.process_sets import ProcessSetTable
+from hora.common.vocabulary.message import Request, RequestType
 
 
 def _table() -> MessageTable:

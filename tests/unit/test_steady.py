@@ -11,7 +11,7 @@ from hora.common.engine.steady.schedule import (
     build_schedule,
     cuts_from,
 )
-from hora.common.message import ReduceOp, Request, RequestType, Response
+from hora.common.vocabulary.message import ReduceOp, Request, RequestType, Response
 
 
 def _response(name: str, numel: int = 10, **fields: object) -> Response:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import hora.torch as hvd
-from hora.common import basics, submission
-from hora.common.errors import HoraValueError
-from hora.common.message import ReduceOp, RequestType
+from hora.common import basics
+from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet, global_process_set
+from hora.common.vocabulary.errors import HoraValueError
+from hora.common.vocabulary.message import ReduceOp, RequestType
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hora.common import config
-from hora.common import settings_table as table
-from hora.common.config import Settings
+from hora.common.vocabulary import config
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import Settings
 from hora.runner import options
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ The package gives Horovod's ``horovod.common.elastic`` names: ``State``, ``Objec
 
 from hora.common.elastic.loop import run, run_fn
 from hora.common.elastic.state import ObjectState, State
-from hora.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hora.common.vocabulary.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = [
     "HorovodInternalError",

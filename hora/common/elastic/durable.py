@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 
 logger = logging.getLogger("hora")
 

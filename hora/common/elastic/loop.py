@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hora.common import basics
-from hora.common.errors import HoraInternalError, HostsUpdatedInterrupt
 from hora.common.job import rounds as _elastic
-from hora.common.lifecycle import init, shutdown
 from hora.common.runtime import runtime
+from hora.common.startup.lifecycle import init, shutdown
+from hora.common.vocabulary.errors import HoraInternalError, HostsUpdatedInterrupt
 
 logger = logging.getLogger("hora")
 

@@ -27,14 +27,16 @@ from typing import Any
 
 import torch
 
-from hora.common import basics, collectives, config
+from hora.common import basics
 from hora.common.elastic.durable import CommitDirectory, DurableCommitError, make_record
-from hora.common.errors import HostsUpdatedInterrupt
 from hora.common.job import rounds as _elastic
-from hora.common.objects import broadcast_object
+from hora.common.ops import collectives
+from hora.common.ops.objects import broadcast_object
 from hora.common.process_sets import global_process_set
 from hora.common.runtime import runtime
-from hora.common.settings_table import ELASTIC_COMMIT_DIR
+from hora.common.vocabulary import config
+from hora.common.vocabulary.errors import HostsUpdatedInterrupt
+from hora.common.vocabulary.settings_table import ELASTIC_COMMIT_DIR
 
 logger = logging.getLogger("hora")
 

@@ -23,8 +23,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import IO
 
-from hora.common import safe_files
 from hora.common.engine.steady.schedule import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from hora.common.vocabulary import safe_files
 
 logger = logging.getLogger("hora")
 

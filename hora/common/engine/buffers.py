@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from hora.common.dtypes import FLOATING, INTEGER
 from hora.common.engine.handles import Entry, finish
-from hora.common.message import ReduceOp
+from hora.common.vocabulary.dtypes import FLOATING, INTEGER
+from hora.common.vocabulary.message import ReduceOp
 
 _DTYPES = {
     "uint8": torch.uint8,

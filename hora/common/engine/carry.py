@@ -25,7 +25,7 @@ import torch
 from hora.common.engine.buffers import compute_dtype, postscale, scale, torch_dtype
 from hora.common.engine.handles import Entry
 from hora.common.engine.negotiation import InlineSlot
-from hora.common.message import (
+from hora.common.vocabulary.message import (
     Key,
     ReduceOp,
     Request,

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 
 from hora.common.engine.buffers import local_gpu
-from hora.common.errors import HoraInternalError
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.process_sets import ProcessSetTable
 from hora.common.transport import Communicator, TransportError
+from hora.common.vocabulary.errors import HoraInternalError
 
 
 class Communicators:

@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from hora.common.config import Settings
 from hora.common.engine import carry, fusion
 from hora.common.engine.buffers import copy_out_pieces, writing_to_inference
 from hora.common.engine.communicators import Communicators
@@ -34,9 +33,10 @@ from hora.common.engine.stall import StallInspector
 from hora.common.engine.steady.replay import Replay
 from hora.common.engine.timing import HOLD_WHILE_IN_FLIGHT_S
 from hora.common.engine.tracing import Tracer
-from hora.common.errors import shut_down_message
-from hora.common.message import Key, RequestType, Response
 from hora.common.process_sets import ProcessSetTable
+from hora.common.vocabulary.config import Settings
+from hora.common.vocabulary.errors import shut_down_message
+from hora.common.vocabulary.message import Key, RequestType, Response
 
 
 class Cycle:

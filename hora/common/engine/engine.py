@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 
-from hora.common.config import Settings
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.communicators import Communicators
 from hora.common.engine.counters import Counters
@@ -38,14 +37,15 @@ from hora.common.engine.parking import Parking
 from hora.common.engine.stall import StallInspector
 from hora.common.engine.steady import BatchLayout, Schedule
 from hora.common.engine.steady.replay import Replay
+from hora.common.engine.timeline_writer import Timeline
 from hora.common.engine.tracing import Tracer, nvtx_ranges
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import CAUSE, GenerationKeys
 from hora.common.job.topology import Topology
-from hora.common.message import Request, RequestType
 from hora.common.process_sets import ProcessSetTable
-from hora.common.timeline_writer import Timeline
 from hora.common.transport import Communicator, TransportError
+from hora.common.vocabulary.config import Settings
+from hora.common.vocabulary.message import Request, RequestType
 
 logger = logging.getLogger("hora")
 

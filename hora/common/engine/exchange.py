@@ -17,9 +17,9 @@ import struct
 from hora.common.engine import carry
 from hora.common.engine.handles import Entry
 from hora.common.engine.negotiation import InlineSlot, ResponseCache
-from hora.common.errors import HoraInternalError
-from hora.common.message import CycleMessage, Key, Request
 from hora.common.transport import Communicator, allgather_bytes
+from hora.common.vocabulary.errors import HoraInternalError
+from hora.common.vocabulary.message import CycleMessage, Key, Request
 
 # One rank's part of a cycle: its requests (cache bits expanded, then full requests), the
 # reason it gave to end the job, if any, and whether that end is orderly (hvd.shutdown() or the

@@ -34,8 +34,8 @@ from hora.common.engine.counters import Counters
 from hora.common.engine.finisher import Finisher
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.tracing import Tracer
-from hora.common.message import ReduceOp, RequestType, Response
 from hora.common.transport import FINISHED, Communicator
+from hora.common.vocabulary.message import ReduceOp, RequestType, Response
 
 
 @dataclass

@@ -34,7 +34,7 @@ from hora.common.job.store import (
     tampering,
 )
 from hora.common.job.store_keys import FAILURE, GenerationKeys, exit_key
-from hora.common.message import Key, key_parts, make_key
+from hora.common.vocabulary.message import Key, key_parts, make_key
 
 logger = logging.getLogger("hora")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from hora.common.message import RequestType, Response
+from hora.common.vocabulary.message import RequestType, Response
 
 
 def fusion_key(response: Response, disable_group_fusion: bool = False) -> Hashable:

@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hora.common.errors import HoraInternalError
-from hora.common.message import Key, Request, RequestType
+from hora.common.vocabulary.errors import HoraInternalError
+from hora.common.vocabulary.message import Key, Request, RequestType
 
 if TYPE_CHECKING:
     import torch

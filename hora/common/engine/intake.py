@@ -22,8 +22,13 @@ from typing import TypeVar
 
 from hora.common.engine.handles import Entry, Handle, fail
 from hora.common.engine.timing import WATCH_INTERVAL_S
-from hora.common.errors import DUPLICATE_NAME, HoraInternalError, HoraValueError, shut_down_message
-from hora.common.message import Key, key_parts
+from hora.common.vocabulary.errors import (
+    DUPLICATE_NAME,
+    HoraInternalError,
+    HoraValueError,
+    shut_down_message,
+)
+from hora.common.vocabulary.message import Key, key_parts
 
 _T = TypeVar("_T")
 

@@ -15,7 +15,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from hora.common.message import (
+from hora.common.process_sets import ProcessSetTable
+from hora.common.vocabulary.message import (
     ELEMENTWISE,
     VARIABLE_FIRST_DIM,
     Key,
@@ -24,7 +25,6 @@ from hora.common.message import (
     Response,
     key_parts,
 )
-from hora.common.process_sets import ProcessSetTable
 
 JOIN_NAME = "join.noname"
 JOIN_KEY: Key = JOIN_NAME  # join is global

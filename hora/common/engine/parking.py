@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from hora.common.config import Settings
 from hora.common.engine.failures import DeadlockCheck
 from hora.common.engine.intake import Intake
 from hora.common.engine.negotiation import MessageTable
@@ -24,6 +23,7 @@ from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S
 from hora.common.engine.tracing import Tracer
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import PARKED, GenerationKeys
+from hora.common.vocabulary.config import Settings
 
 
 class Parking:

@@ -14,7 +14,7 @@ import logging
 import time
 
 from hora.common.engine.negotiation import MessageTable
-from hora.common.message import Key, key_label
+from hora.common.vocabulary.message import Key, key_label
 
 logger = logging.getLogger("hora")
 

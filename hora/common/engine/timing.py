@@ -1,7 +1,7 @@
 """How long the engine's threads wait for what: the timing constants its parts share.
 
 Each value says what it bounds and why it is what it is; settings a user may change live in
-:mod:`hora.common.config`, not here.
+:mod:`hora.common.vocabulary.config`, not here.
 """
 
 from __future__ import annotations

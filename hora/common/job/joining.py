@@ -32,8 +32,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hora.common import settings_table as table
-from hora.common.config import gloo_interface, raw, read
 from hora.common.job import port_file, store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
 from hora.common.job.store import (
@@ -50,6 +48,8 @@ from hora.common.job.store import (
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, TopologyError
 from hora.common.runtime import runtime
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import gloo_interface, raw, read
 
 logger = logging.getLogger("hora")
 

@@ -19,8 +19,8 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hora.common import settings_table as table
-from hora.common.config import raw
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import raw
 
 # torch.distributed's default store port (``MASTER_PORT``'s usual value).
 TORCH_DEFAULT_PORT = 29500

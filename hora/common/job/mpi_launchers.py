@@ -21,8 +21,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hora.common import settings_table as table
-from hora.common.config import read
 from hora.common.job.launcher_reading import (
     LauncherError,
     Reading,
@@ -33,6 +31,8 @@ from hora.common.job.launcher_reading import (
     integer_variable,
     optional_integer_variable,
 )
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import read
 
 logger = logging.getLogger("hora")
 

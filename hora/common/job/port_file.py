@@ -13,7 +13,7 @@ link on the way resolved: ``HORA_SECRET_FILE`` may be a link in a directory othe
 (``/tmp``), and the port file must not land there. The resolved secret file's directory is one
 only its owner can write (:func:`hora.common.job.topology.job_secret` checks), so nobody else
 can plant files there. It is written atomically (a new file under an unguessable name, renamed
-over it: :mod:`hora.common.safe_files`, so a link planted at either name is replaced, never
+over it: :mod:`hora.common.vocabulary.safe_files`, so a link planted at either name is replaced, never
 written through), readable by its owner only, and removed when rank 0's process exits. Reading
 it never follows a link nor waits on a FIFO: anything at the name but a regular file of this
 user that no one else can write counts as "not published yet".
@@ -31,8 +31,8 @@ import stat
 import time
 from pathlib import Path
 
-from hora.common import safe_files
 from hora.common.job.store import TAG_BYTES, sign, verify
+from hora.common.vocabulary import safe_files
 
 logger = logging.getLogger("hora")
 

@@ -42,12 +42,12 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from hora.common import settings_table as table
-from hora.common.config import raw, read
 from hora.common.job import store_keys as keys
 from hora.common.job.store import AuthenticationError, StoreClient, read_failure, tampering
 from hora.common.job.topology import Topology
-from hora.common.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import raw, read
+from hora.common.vocabulary.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
 
 logger = logging.getLogger("hora")
 

@@ -17,10 +17,10 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from hora.common import settings_table as table
-from hora.common.config import SettingError, raw, read
 from hora.common.job.launchers import READERS, LauncherError, Reading, StorePlan, mpi4py_usable
-from hora.common.settings_table import Variable
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import SettingError, raw, read
+from hora.common.vocabulary.settings_table import Variable
 
 logger = logging.getLogger("hora")
 

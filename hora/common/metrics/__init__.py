@@ -25,8 +25,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hora.common import settings_table as table
-from hora.common.config import SettingError, read
 from hora.common.engine.counters import Counters
 from hora.common.metrics.records import StepRecord, StepTiming, step_timing
 from hora.common.metrics.sinks import (
@@ -38,6 +36,8 @@ from hora.common.metrics.sinks import (
     TensorBoardSink,
 )
 from hora.common.runtime import runtime
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import SettingError, read
 
 __all__ = [
     "METRICS",

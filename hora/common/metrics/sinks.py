@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hora.common import safe_files
 from hora.common.metrics.records import StepRecord, StepTiming
+from hora.common.vocabulary import safe_files
 
 # Event files reach the disk at least this often while steps are written (and at every close).
 FLUSH_INTERVAL_S = 2.0

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hora.common.message import ReduceOp
+from hora.common.vocabulary.message import ReduceOp
 
 
 class TransportError(RuntimeError):

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport import Communicator, Pending
+from hora.common.vocabulary.message import ReduceOp
 
 
 class HierarchicalCommunicator:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport import TransportError
+from hora.common.vocabulary.message import ReduceOp
 
 _REDUCE = {
     ReduceOp.SUM: lambda a, b: a + b,

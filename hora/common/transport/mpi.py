@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport import TransportError
+from hora.common.vocabulary.message import ReduceOp
 
 # How long a caller waits between checks of the aborted flag (it is also woken at once).
 _POLL_S = 0.05

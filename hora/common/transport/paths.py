@@ -21,16 +21,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from hora.common import settings_table as table
-from hora.common.config import Settings
 from hora.common.job.store import StoreClient
 from hora.common.job.topology import Topology
-from hora.common.settings_table import Variable
 from hora.common.transport import Communicator
 from hora.common.transport.hierarchical import HierarchicalCommunicator
 from hora.common.transport.local_groups import Grouping, group_members, map_segment
 from hora.common.transport.shm import ShmCommunicator
 from hora.common.transport.shm_segment import PAGE
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import Settings
+from hora.common.vocabulary.settings_table import Variable
 
 logger = logging.getLogger("hora")
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as _dist
 
-from hora.common.message import ReduceOp
 from hora.common.transport import Pending, TransportError
+from hora.common.vocabulary.message import ReduceOp
 
 # torch.distributed's stubs omit the process-group methods used here.
 dist: Any = _dist

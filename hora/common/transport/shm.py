@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport import FINISHED, TransportError
 from hora.common.transport.shm_arena import ArenaAllreduce
 from hora.common.transport.shm_barriers import Barriers
@@ -45,6 +44,7 @@ from hora.common.transport.shm_segment import (
     reached,
 )
 from hora.common.transport.shm_slots import SlotCollectives
+from hora.common.vocabulary.message import ReduceOp
 
 # Allreduces up to this many bytes run on the calling thread when nothing else is queued and
 # every peer has started it too: the hand-off to the worker thread would cost more than the

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport import TransportError
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_layout import BLOCK, Layout, part
 from hora.common.transport.shm_segment import Segment
+from hora.common.vocabulary.message import ReduceOp
 
 # Allreduces of fewer bytes go through the slots even where buffers lie in the arenas: the
 # arenas' way waits three times, the slots' once, and for small buffers the waits cost more

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_layout import ALIGN, REDUCTIONS, Layout
 from hora.common.transport.shm_segment import Segment
+from hora.common.vocabulary.message import ReduceOp
 
 
 class Halves:

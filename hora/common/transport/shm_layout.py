@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport.shm_segment import Segment
+from hora.common.vocabulary.message import ReduceOp
 
 REDUCTIONS: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.SUM: torch.add,

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hora.common.message import ReduceOp
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_layout import ALIGN, REDUCTIONS, Layout, as_bytes, offsets, part
 from hora.common.transport.shm_segment import Segment
+from hora.common.vocabulary.message import ReduceOp
 
 
 class SlotCollectives:

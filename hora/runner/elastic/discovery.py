@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
-from hora.common.settings_table import HOST_DISCOVERY_TIMEOUT
+from hora.common.vocabulary.settings_table import HOST_DISCOVERY_TIMEOUT
 from hora.runner.hosts import Host, slot_count, split_entry
 
 # How often the discovery script runs, and how long one run may take by default.

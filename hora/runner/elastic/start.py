@@ -14,7 +14,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 
-from hora.common import settings_table as table
+from hora.common.vocabulary import settings_table as table
 from hora.runner.elastic.blacklist import Blacklist, HostManager, describe_hosts
 from hora.runner.elastic.discovery import (
     Discovery,

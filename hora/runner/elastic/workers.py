@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hora.common import settings_table as table
 from hora.common.job.rounds import ELASTIC_VAR, WORKER_ID_VAR
+from hora.common.vocabulary import settings_table as table
 from hora.runner.hosts import Slot
 from hora.runner.job import Job
 from hora.runner.supervisor import Supervisor, Worker

@@ -32,7 +32,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.common.errors import HoraValueError
+from hora.common.vocabulary.errors import HoraValueError
 from hora.tensorflow._bridge import in_xla_context
 from hora.tensorflow.gradients import GradientReducer
 

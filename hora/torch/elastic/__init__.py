@@ -87,8 +87,12 @@ Semantics worth knowing (see each object's documentation):
 from hora.common.elastic.durable import DurableCommitError, read_commit
 from hora.common.elastic.loop import reset_count, round_number, run, run_fn
 from hora.common.elastic.state import ObjectState, State
-from hora.common.errors import HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
-from hora.common.lifecycle import init, shutdown  # horovod.torch.elastic has them too
+from hora.common.startup.lifecycle import init, shutdown  # horovod.torch.elastic has them too
+from hora.common.vocabulary.errors import (
+    HoraInternalError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+)
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.elastic.torch_state import (
     ModelStateHandler,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hora.common.elastic.state import Commit, ObjectState, Snapshot, check_names
-from hora.common.objects import broadcast_object
+from hora.common.ops.objects import broadcast_object
 from hora.torch import zero_state
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.functions import broadcast_optimizer_state, broadcast_parameters

@@ -17,13 +17,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from hora.common.config import Settings
 from hora.common.engine.handles import Entry
 from hora.common.engine.intake import Intake, Wait
 from hora.common.engine.steady.schedule import DEVIATED, FOLLOWING, Schedule, blocked_code
 from hora.common.engine.steady.waits import Waits, name_list
 from hora.common.engine.timing import STALL_PROBE_S, STEADY_BLOCKED_GRACE_S, WATCH_INTERVAL_S
-from hora.common.message import Key
+from hora.common.vocabulary.config import Settings
+from hora.common.vocabulary.message import Key
 
 logger = logging.getLogger("hora")
 

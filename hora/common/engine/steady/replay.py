@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hora.common.config import Settings
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.buffers import read_landed
 from hora.common.engine.counters import Counters
@@ -42,8 +41,9 @@ from hora.common.engine.timing import STEADY_LONE_TENSOR_MAX_BYTES
 from hora.common.engine.tracing import Tracer
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
-from hora.common.message import ReduceOp, Request, Response
 from hora.common.transport import Communicator, Pending, TransportError
+from hora.common.vocabulary.config import Settings
+from hora.common.vocabulary.message import ReduceOp, Request, Response
 
 logger = logging.getLogger("hora")
 

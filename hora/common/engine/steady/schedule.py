@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hora.common.engine import fusion
-from hora.common.message import ReduceOp, Request, RequestType, Response
+from hora.common.vocabulary.message import ReduceOp, Request, RequestType, Response
 
 # Responses in the longest period looked for (names in one training step).
 MAX_PERIOD = 4096

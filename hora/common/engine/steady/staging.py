@@ -29,8 +29,8 @@ from hora.common.engine.buffers import (
 )
 from hora.common.engine.handles import Entry, finish
 from hora.common.engine.steady.schedule import FOLLOWING, Schedule
-from hora.common.message import ReduceOp, Request
 from hora.common.transport import Communicator, repeated_buffer
+from hora.common.vocabulary.message import ReduceOp, Request
 
 
 def allocate(schedule: Schedule, comm_for: Callable[[str], Communicator], ranks: int) -> None:

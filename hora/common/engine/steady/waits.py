@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hora.common.config import Settings
 from hora.common.engine.timing import PARKED_WAIT_S
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
-from hora.common.message import Request
 from hora.common.transport import Pending, TransportError
+from hora.common.vocabulary.config import Settings
+from hora.common.vocabulary.message import Request
 
 logger = logging.getLogger("hora")
 

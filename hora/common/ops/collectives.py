@@ -4,7 +4,7 @@ An adapter hands torch tensors (the engine's data plane: PyTorch's own, or views
 TensorFlow's) to one of the ``*_async`` functions here and gets an integer handle back;
 :func:`synchronize` waits for the result. These functions check what only the collective knows
 (a reduction it cannot do, splits that do not add up, a scalar to gather) and hand the rest to
-:mod:`hora.common.submission` (process sets, names, requests, handles). What stays in an
+:mod:`hora.common.ops.submission` (process sets, names, requests, handles). What stays in an
 adapter: its tensor type, its gradients (autograd, ``tf.custom_gradient``), compression, and
 its public signatures.
 """
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from hora.common import submission
-from hora.common.errors import HoraValueError
-from hora.common.message import ReduceOp, RequestType
+from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
+from hora.common.vocabulary.errors import HoraValueError
+from hora.common.vocabulary.message import ReduceOp, RequestType
 
 # Horovod's reduction ops, shared by every adapter (``hvd.Average``, ...).
 Average = ReduceOp.AVERAGE

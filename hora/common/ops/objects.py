@@ -4,7 +4,7 @@
 Objects are serialized with cloudpickle and signed with the job's secret before they leave the
 sender; receivers verify the signature before unpickling, so bytes that did not come from a
 process of this job are never unpickled. The bytes travel as uint8 tensors through
-:mod:`hora.common.collectives`.
+:mod:`hora.common.ops.collectives`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 import cloudpickle
 import torch
 
-from hora.common import basics, collectives
+from hora.common import basics
 from hora.common.job.store import sign, verify
+from hora.common.ops import collectives
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.common.runtime import session
 

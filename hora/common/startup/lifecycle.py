@@ -1,7 +1,7 @@
 """``init`` and ``shutdown``: where a process joins its job and leaves it.
 
 ``init`` reads the settings, joins the job (its launcher's variables, the store, an elastic
-round), builds the engine with the communicators :mod:`hora.common.transport.builders` makes,
+round), builds the engine with the communicators :mod:`hora.common.startup.wiring` makes,
 opens the timeline and live metrics, registers the process sets and starts a new
 :class:`~hora.common.runtime.Session`. ``shutdown`` stops the engine, merges the timeline and
 drops the session. Every framework adapter's ``init`` and ``shutdown`` are these two.
@@ -22,8 +22,6 @@ from dataclasses import replace
 from typing import Any
 
 from hora.common import metrics
-from hora.common import settings_table as table
-from hora.common.config import Settings, name_unheeded, read, start_timeout_s, timeline_path
 from hora.common.engine import Engine
 from hora.common.job import joining
 from hora.common.job import rounds as elastic
@@ -31,21 +29,29 @@ from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, detect
 from hora.common.process_sets import ProcessSet
-from hora.common.registration import (
+from hora.common.runtime import Runtime, Session, runtime
+from hora.common.startup.registration import (
     bind_initial,
     registered_lists,
     translate_mpi_sets,
     unbind_all,
 )
-from hora.common.runtime import Runtime, Session, runtime
-from hora.common.timeline_control import finish_timeline, open_timeline
-from hora.common.transport.builders import (
+from hora.common.startup.timeline import finish_timeline, open_timeline
+from hora.common.startup.wiring import (
     agree_on_settings,
     cpu_communicators,
     gpu_communicators,
     mpi_job_comm,
     mpi_library,
     sub_job,
+)
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import (
+    Settings,
+    name_unheeded,
+    read,
+    start_timeout_s,
+    timeline_path,
 )
 
 logger = logging.getLogger("hora")

@@ -1,7 +1,7 @@
 """Runtime settings, read once from ``HORA_*`` and ``HOROVOD_*`` environment variables.
 
 The names, defaults, ranges and ``HOROVOD_*`` twins of the variables are declared in
-:mod:`hora.common.settings_table`; this module reads them. It knows nothing of the engine that
+:mod:`hora.common.vocabulary.settings_table`; this module reads them. It knows nothing of the engine that
 uses them. For each setting the ``HORA_`` name wins over the ``HOROVOD_`` one, so a Horovod job
 script keeps working and a hora user can override it.
 
@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from hora.common import settings_table as table
-from hora.common.settings_table import Unheeded, Variable
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.settings_table import Unheeded, Variable
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ def raw(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | 
 
 def _parse(variable: Variable[T], text: str) -> T:
     """``text`` as ``variable``'s kind, and a finite number if a number (no range holds
-    ``inf``: see :class:`~hora.common.settings_table.Bounds`)."""
+    ``inf``: see :class:`~hora.common.vocabulary.settings_table.Bounds`)."""
     try:
         value = variable.kind.parse(text)
     except (ValueError, OverflowError):
@@ -205,7 +205,7 @@ SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
     declared.name: declared.metadata["variable"] for declared in fields(Settings)
 }
 # The fields every rank must hold alike (their variables are declared ``agreed``): ``hvd.init()``
-# compares them across ranks (:func:`hora.common.transport.builders.agree_on_settings`).
+# compares them across ranks (:func:`hora.common.startup.wiring.agree_on_settings`).
 AGREED_SETTINGS: dict[str, Variable[Any]] = {
     name: variable for name, variable in SETTINGS_VARIABLES.items() if variable.agreed
 }

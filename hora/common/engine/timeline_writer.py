@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hora.common import safe_files
+from hora.common.vocabulary import safe_files
 
 # Rows (tids) that are not tensors.
 TRAINING_ROW = 0

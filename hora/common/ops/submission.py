@@ -20,10 +20,10 @@ import torch
 
 from hora.common import basics
 from hora.common.engine import Entry, Handle, adasum, dtype_name
-from hora.common.errors import HoraInternalError, HoraValueError
-from hora.common.message import ReduceOp, Request, RequestType
 from hora.common.process_sets import ProcessSet
 from hora.common.runtime import GROUPED_CALLS_KEPT, runtime, session
+from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
+from hora.common.vocabulary.message import ReduceOp, Request, RequestType
 
 # ---------------------------------------------------------------- holders
 

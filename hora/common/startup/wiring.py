@@ -24,21 +24,21 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from hora.common import settings_table as table
-from hora.common.config import (
-    AGREED_SETTINGS,
-    SettingError,
-    Settings,
-    cpu_operations,
-    gloo_interface,
-)
-from hora.common.errors import HoraInternalError
 from hora.common.job.launchers import mpi_identity
 from hora.common.job.store import AuthenticationError, StoreClient, tampering
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.store_protocol import StoreWaitEnded
 from hora.common.job.topology import Topology
 from hora.common.transport import Communicator, TransportError, prove_peers
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import (
+    AGREED_SETTINGS,
+    SettingError,
+    Settings,
+    cpu_operations,
+    gloo_interface,
+)
+from hora.common.vocabulary.errors import HoraInternalError
 
 logger = logging.getLogger("hora")
 

@@ -2,7 +2,7 @@
 
 Each :class:`Variable` holds one variable's facts: its name, whether a ``HOROVOD_*`` twin is
 read too, how its value is parsed, its default, the range it must lie in, and the sentence that
-describes it in docs/environment.md. The readers (:mod:`hora.common.config`), ``horarun``'s flags
+describes it in docs/environment.md. The readers (:mod:`hora.common.vocabulary.config`), ``horarun``'s flags
 (:mod:`hora.runner.flags`, which name the variable each flag sets) and the generated tables of
 docs/environment.md (``python -m hora.tools.docs_tables``) all take these facts from here.
 
@@ -160,7 +160,7 @@ class Variable(Generic[T]):
         agreed: every rank must hold the same value, or the ranks would choose different
             paths or plan different collectives, and wait for each other in vain;
             ``hvd.init()`` compares it across ranks
-            (:func:`hora.common.transport.builders.agree_on_settings`).
+            (:func:`hora.common.startup.wiring.agree_on_settings`).
     """
 
     name: str
@@ -701,7 +701,7 @@ class Unheeded:
     """A variable of Horovod's that hora reads only to say that it does not act on it.
 
     ``hvd.init()`` names each one that is set to a value hora does not honour
-    (:func:`hora.common.config.unheeded`); ``horarun --verbose`` says the same sentence of the
+    (:func:`hora.common.vocabulary.config.unheeded`); ``horarun --verbose`` says the same sentence of the
     flag that would set it (:mod:`hora.runner.flags` takes ``why`` from here); docs/environment.md
     lists them all.
 

@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Literal, overload
 
-from hora.common import settings_table as table
-from hora.common.config import read
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import read
 
 # Directories hora creates for its files.
 DIRECTORY_MODE = 0o700

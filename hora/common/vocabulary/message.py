@@ -279,7 +279,7 @@ class Response:
 
     @property
     def num_bytes(self) -> int:
-        from hora.common.dtypes import itemsize
+        from hora.common.vocabulary.dtypes import itemsize
 
         return sum(
             self.template(i).num_elements * itemsize(self.template(i).dtype)
