@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hora.common.engine.timeline_writer import rank_path
+from hora.common.vocabulary.timeline_writer import rank_path
 from hora.tools.timeline_events import (
     BACKWARD,
     ENGINE_ROW,

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hora.common.engine import timeline_writer as common_timeline
-from hora.common.engine.timeline_writer import rank_path
 from hora.common.vocabulary import safe_files
+from hora.common.vocabulary import timeline_writer as common_timeline
+from hora.common.vocabulary.timeline_writer import rank_path
 
 # Rows (``tid``) of a rank's trace.
 TRAINING_ROW = 0

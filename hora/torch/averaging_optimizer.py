@@ -18,11 +18,11 @@ import torch
 
 from hora.common import basics, metrics
 from hora.common.engine import owns_its_memory
-from hora.common.engine.timeline_writer import TRAINING_ROW
 from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.message import ReduceOp
+from hora.common.vocabulary.timeline_writer import TRAINING_ROW
 from hora.torch import ops
 from hora.torch.gradient_reduction import (
     HELD,

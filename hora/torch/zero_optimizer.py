@@ -42,11 +42,11 @@ from typing import Any
 import torch
 
 from hora.common import basics, metrics
-from hora.common.engine.timeline_writer import TRAINING_ROW
 from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 from hora.common.vocabulary.message import ReduceOp
+from hora.common.vocabulary.timeline_writer import TRAINING_ROW
 from hora.torch import zero_consolidated_state, zero_state, zero_state_loading
 from hora.torch.gradient_reduction import (
     ZERO_GRAD_RACE,

@@ -165,7 +165,7 @@ def _merge_cli(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(60)
 def test_a_timeline_tool_output_replaces_a_planted_link(shared: Path) -> None:
-    from hora.common.engine.timeline_writer import Timeline
+    from hora.common.vocabulary.timeline_writer import Timeline
 
     source = shared.parent / "source.json"
     Timeline(source, 0).close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hora.common.engine.timeline_writer import rank_files, read_events
+from hora.common.vocabulary.timeline_writer import rank_files, read_events
 
 from .jobs import run_failing_job, run_job
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 import hora
-from hora.common.engine.timeline_writer import Timeline, merge
 from hora.common.job import port_file
 from hora.common.vocabulary import safe_files
 from hora.common.vocabulary.config import SettingError
+from hora.common.vocabulary.timeline_writer import Timeline, merge
 
 NOBODY = 65534
 # The victim of the test run as an ordinary user: any uid other than nobody's and root's.

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from hora.common.engine import timeline_writer as tl
+from hora.common.vocabulary import timeline_writer as tl
 
 
 def test_a_closed_timeline_is_one_valid_json_array(tmp_path: Path) -> None:

@@ -37,7 +37,6 @@ from hora.common.engine.parking import Parking
 from hora.common.engine.stall import StallInspector
 from hora.common.engine.steady import BatchLayout, Schedule
 from hora.common.engine.steady.replay import Replay
-from hora.common.engine.timeline_writer import Timeline
 from hora.common.engine.tracing import Tracer, nvtx_ranges
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import CAUSE, GenerationKeys
@@ -46,6 +45,7 @@ from hora.common.process_sets import ProcessSetTable
 from hora.common.transport import Communicator, TransportError
 from hora.common.vocabulary.config import Settings
 from hora.common.vocabulary.message import Request, RequestType
+from hora.common.vocabulary.timeline_writer import Timeline
 
 logger = logging.getLogger("hora")
 

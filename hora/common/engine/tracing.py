@@ -1,7 +1,7 @@
 """What the engine writes into the timeline: each call's negotiation and queueing, and each
 batch's copy in, collective and copy out, on the rows of its tensors.
 
-The timeline writer itself (files, rows, flushing) is :mod:`hora.common.engine.timeline_writer`; this module
+The timeline writer itself (files, rows, flushing) is :mod:`hora.common.vocabulary.timeline_writer`; this module
 knows entries and responses, and the span names of docs/timeline-format.md.
 
 The same phases are NVTX ranges when ``HORA_ENABLE_NVTX=1`` (:class:`Ranges`): the timeline is
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hora.common.engine.handles import Entry
-from hora.common.engine.timeline_writer import ENGINE_ROW, Timeline
 from hora.common.vocabulary.message import ReduceOp, RequestType, Response, key_label
+from hora.common.vocabulary.timeline_writer import ENGINE_ROW, Timeline
 
 logger = logging.getLogger("hora")
 

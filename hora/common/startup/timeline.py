@@ -2,7 +2,7 @@
 ``hvd.start_timeline``, closed by ``hvd.stop_timeline`` or at ``shutdown``, where rank 0 merges
 the ranks' files once every rank has closed its own.
 
-The file format and its writer are :mod:`hora.common.engine.timeline_writer`'s; this module decides
+The file format and its writer are :mod:`hora.common.vocabulary.timeline_writer`'s; this module decides
 when a timeline starts and ends. It knows the engine only as the holder of the timeline.
 """
 
@@ -12,10 +12,10 @@ import logging
 import os
 
 from hora.common.engine import Engine
-from hora.common.engine.timeline_writer import Timeline, merge, rank_path
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.runtime import Session, runtime, session
+from hora.common.vocabulary.timeline_writer import Timeline, merge, rank_path
 
 logger = logging.getLogger("hora")
 
