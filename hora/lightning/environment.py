@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hora.common import basics
+from hora.common import api
 from hora.common.job.topology import Topology, detect
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.config import is_set
@@ -43,8 +43,8 @@ class HoraEnvironment(ClusterEnvironment):
         self._main_port = -1
 
     def _topology(self) -> Topology:
-        if basics.is_initialized():
-            return basics.topology()
+        if api.is_initialized():
+            return api.topology()
         if self._launch is None:
             self._launch = detect()
         return self._launch

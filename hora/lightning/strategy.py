@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 import hora.torch as hvd
-from hora.common import basics
+from hora.common import api
 from hora.lightning._compat import (
     ClusterEnvironment,
     LightningModule,
@@ -296,7 +296,7 @@ class HoraStrategy(ParallelStrategy):
         if theirs != ours:
             raise RuntimeError(
                 f"{type(env).__name__} says this process is rank {theirs[1]} of {theirs[0]}, "
-                f"but hora (launcher: {basics.topology().source}) says rank {ours[1]} of "
+                f"but hora (launcher: {api.topology().source}) says rank {ours[1]} of "
                 f"{ours[0]}. "
                 "Use HoraStrategy's default HoraEnvironment, which reads hora's topology."
             )

@@ -180,7 +180,7 @@ def shutdown_hora() -> bool:
 
     if "hora.common.startup.lifecycle" not in sys.modules:
         return False  # the train function never imported hora
-    from hora.common.basics import is_initialized
+    from hora.common.api import is_initialized
     from hora.common.startup import lifecycle
 
     if not is_initialized():

@@ -21,43 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hora.common import metrics
-from hora.common.basics import (
-    cross_rank,
-    cross_size,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    size,
-)
-from hora.common.build_info import (
-    ccl_built,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    mpi_built,
-    nccl_built,
-    rocm_built,
-)
-from hora.common.engine.adasum import is_power_of_two as check_num_rank_power_of_2
-from hora.common.ops.collectives import Adasum, Average, Max, Min, Product, Sum
+from hora.common import api
+from hora.common.api import *  # noqa: F403  (the framework-neutral names, listed once)
+from hora.common.api import Average, ProcessSet, global_process_set
+from hora.common.ops.engine_facts import is_power_of_two as check_num_rank_power_of_2
 from hora.common.ops.submission import handle_average_backwards_compatibility
-from hora.common.process_sets import ProcessSet
-from hora.common.startup.lifecycle import init, shutdown
-from hora.common.startup.registration import register_process_set as add_process_set
-from hora.common.startup.registration import unregister_process_set as remove_process_set
-from hora.common.startup.timeline import start_timeline, stop_timeline
-from hora.common.vocabulary.errors import (
-    HoraInternalError,
-    HoraValueError,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-)
 from hora.tensorflow._bridge import HoraTensorFlowError, HoraTensorFlowValueError
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.functions import (
@@ -77,7 +45,6 @@ from hora.tensorflow.ops import (
     barrier,
     broadcast,
     broadcast_,
-    global_process_set,
     grouped_allgather,
     grouped_allreduce,
     grouped_reducescatter,
@@ -275,27 +242,15 @@ def _tf() -> Any:
 
 
 __all__ = [
-    "Adasum",
-    "Average",
     "BroadcastGlobalVariablesHook",
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
-    "HoraInternalError",
     "HoraTensorFlowError",
     "HoraTensorFlowValueError",
-    "HoraValueError",
-    "HorovodInternalError",
-    "HostsUpdatedInterrupt",
     "LocalGradientAggregationHelper",
-    "Max",
-    "Min",
     "PartialDistributedGradientTape",
-    "ProcessSet",
-    "Product",
-    "Sum",
-    "SyncBatchNormalization",
-    "add_process_set",
+    "SyncBatchNormalization",  # noqa: F405  (loaded on first use, by __getattr__)
     "allgather",
     "allgather_object",
     "allreduce",
@@ -307,43 +262,19 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_fn",
     "broadcast_variables",
-    "ccl_built",
     "check_num_rank_power_of_2",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
-    "gloo_built",
-    "gloo_enabled",
-    "global_process_set",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
     "handle_average_backwards_compatibility",
-    "init",
-    "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
     "local_rank_op",
-    "local_size",
     "local_size_op",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "process_set_included_op",
-    "rank",
     "rank_op",
     "reducescatter",
     "refs_to_vars",
-    "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
     "size_op",
-    "start_timeline",
-    "stop_timeline",
     "vars_to_refs",
-    "metrics",
 ]
+__all__ += api.__all__

@@ -40,7 +40,8 @@ except ModuleNotFoundError as exc:
 import torch
 from torch.utils import dlpack as _torch_dlpack
 
-from hora.common import basics
+from hora.common import api
+from hora.common.ops import engine_facts
 from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 
@@ -145,9 +146,7 @@ def graph_name(name: str | None, kind: str, process_set: ProcessSet) -> str | No
         prefix = re.sub(r"_\d+$", "", function.name)
         return f"{prefix}/{function.unique_name(_GRAPH_NAMES[kind])}"
     set_id = process_set.process_set_id
-    if basics.is_initialized() and (
-        set_id is None or not basics.engine().process_sets.contains(set_id)
-    ):
+    if api.is_initialized() and not engine_facts.set_registered(set_id):
         raise HoraTensorFlowValueError(
             f"{kind.rstrip('_')}: {process_set} is not registered. Pass it to "
             "hvd.init(process_sets=[...]) or hvd.add_process_set(...) on every rank before "

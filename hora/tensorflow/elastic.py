@@ -22,10 +22,12 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from hora.common import basics
+from hora.common import api
+from hora.common.api import init, rank, shutdown
 from hora.common.elastic import loop as _loop
 from hora.common.elastic.loop import run_fn
 from hora.common.elastic.state import Commit, ObjectState
+from hora.common.ops import engine_facts
 from hora.common.vocabulary.errors import (
     HoraInternalError,
     HorovodInternalError,
@@ -37,7 +39,6 @@ from hora.tensorflow.functions import (  # horovod.tensorflow.elastic has these 
     broadcast_object_fn,
     broadcast_variables,
 )
-from hora.tensorflow.mpi_ops import init, rank, shutdown
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,13 +60,6 @@ __all__ = [
 ]
 
 
-def _engine_failed() -> bool:
-    if not basics.is_initialized():
-        return True
-    engine = basics.engine()
-    return engine.failure is not None or not engine.running
-
-
 def run(func: F) -> F:
     """Decorator: run ``func(state, ...)`` until it returns, surviving resets (see
     :func:`hora.common.elastic.loop.run`); also inside ``tf.function`` steps."""
@@ -75,7 +69,7 @@ def run(func: F) -> F:
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as exc:
-            if isinstance(exc, HoraInternalError) or not _engine_failed():
+            if isinstance(exc, HoraInternalError) or not engine_facts.engine_stopped():
                 raise
             raise HoraInternalError(
                 f"a collective failed inside TensorFlow: {exc.message}"
@@ -136,7 +130,7 @@ class _VariablesState(ObjectState):
         # not synced yet); then everyone takes rank 0's variables and values.
         self._sync_commit_dir()
         variables = self._variables()
-        if variables and basics.size() > 1:
+        if variables and api.size() > 1:
             ops.broadcast_(variables, 0, name="hora.elastic.tf_variables")
         self._sync_values()
         self._synced_once = True

@@ -16,7 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.common import basics
+from hora.common import api
 from hora.common.process_sets import ProcessSet
 from hora.tensorflow import ops
 from hora.tensorflow.compression import Compression
@@ -89,7 +89,7 @@ class GradientReducer:
         """The averaged gradients, in order (``None`` stays ``None``)."""
         grads = list(grads)
         out: list[Any] = list(grads)
-        if basics.size() == 1 and self.process_set is ops.global_process_set:
+        if api.size() == 1 and self.process_set is ops.global_process_set:
             return out
         if self.process_set is not ops.global_process_set and not self.process_set.included():
             return out  # a rank outside the process set keeps its own gradients

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.common import basics
+from hora.common import api
 from hora.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from hora.tensorflow.gradients import GradientReducer
 
@@ -56,7 +56,7 @@ class DistributedLegacyOptimizer(tf.compat.v1.train.Optimizer):  # type: ignore[
                 reducer.reduce,
                 reducer.sparse_as_dense,
                 average_aggregated_gradients,
-                basics.rank(),
+                api.rank(),
                 LocalGradientAggregationHelper._OPTIMIZER_TYPE_LEGACY,
                 reducer.process_set,
                 reducer.scale_local_gradients,

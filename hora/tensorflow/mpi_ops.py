@@ -12,7 +12,7 @@ Example:
     >>> op = handle_average_backwards_compatibility(None, average=False)   # hvd.Sum
 """
 
-from hora.common.engine.adasum import is_power_of_two as num_rank_is_power_2
+from hora.common.ops.engine_facts import is_power_of_two as num_rank_is_power_2
 from hora.common.ops.submission import handle_average_backwards_compatibility
 from hora.tensorflow import *  # noqa: F403 - Horovod's mpi_ops holds the package's collectives
 from hora.tensorflow import __all__ as _package_names

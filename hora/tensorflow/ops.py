@@ -23,7 +23,7 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-from hora.common import basics
+from hora.common import api
 from hora.common.ops import collectives
 from hora.common.ops.collectives import Adasum as Adasum
 from hora.common.ops.collectives import Average as Average
@@ -353,7 +353,7 @@ def broadcast(
             (averaged,) = _allreduce(
                 [tf.convert_to_tensor(upstream)], Average, 1.0, 1.0, None, process_set, False
             )
-            return averaged if basics.rank() == root_rank else averaged * 0
+            return averaged if api.rank() == root_rank else averaged * 0
 
         return _send(value, int(root_rank), name, process_set), grad
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hora.common import basics
-from hora.common.ops import collectives
+from hora.common import api
+from hora.common.ops import collectives, engine_facts
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.tensorflow._bridge import run_python, session_graph
 
@@ -50,16 +50,15 @@ def barrier(process_set: ProcessSet = global_process_set) -> tf.Operation | None
 
 
 def _set_size(process_set_id: int) -> int:
-    return len(basics.engine().process_sets.members(process_set_id))
+    return len(engine_facts.set_members(process_set_id))
 
 
 def _included(process_set_id: int) -> int:
-    if not basics.is_initialized():
+    if not api.is_initialized():
         return PROCESS_SET_ERROR_INIT
-    table = basics.engine().process_sets
-    if not table.contains(process_set_id):
+    if not engine_facts.set_registered(process_set_id):
         return PROCESS_SET_ERROR_UNKNOWN_SET
-    return int(basics.rank() in table.members(process_set_id))
+    return int(api.rank() in engine_facts.set_members(process_set_id))
 
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
@@ -71,19 +70,19 @@ def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
 def local_size_op(name: str | None = None) -> tf.Tensor:
     """The number of ranks on this host, as an int32 tensor computed when it runs."""
     del name
-    return run_python(basics.local_size, tf.int32, "local_size_op")
+    return run_python(api.local_size, tf.int32, "local_size_op")
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, as an int32 tensor computed when it runs."""
     del name
-    return run_python(basics.rank, tf.int32, "rank_op")
+    return run_python(api.rank, tf.int32, "rank_op")
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank on its host, as an int32 tensor computed when it runs."""
     del name
-    return run_python(basics.local_rank, tf.int32, "local_rank_op")
+    return run_python(api.local_rank, tf.int32, "local_rank_op")
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.common import basics
+from hora.common import api
 from hora.common.process_sets import ProcessSet
 from hora.tensorflow import ops
 
@@ -89,7 +89,7 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):  # type: ignor
     def _hora_synced(self) -> bool:
         process_set = self._hora_process_set
         if process_set is ops.global_process_set:
-            return bool(basics.is_initialized() and basics.size() > 1)
+            return bool(api.is_initialized() and api.size() > 1)
         members = process_set.size()  # None: not registered, and the allreduce says so
         return members is None or members > 1
 

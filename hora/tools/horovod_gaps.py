@@ -100,7 +100,7 @@ GAPS: tuple[Gap, ...] = (
         ),
         "The build facts are `hvd.mpi_built()`, `hvd.gloo_built()`, `hvd.nccl_built()`, "
         "`hvd.cuda_built()`, ... and `horarun --check-build`; `HorovodBasics`'s methods are "
-        "functions of `hora.common.basics` and of each framework's module.",
+        "functions of each framework's module (listed once in `hora.common.api`).",
         "hora is pure Python: there is no C++ library to load or to query.",
     ),
     Gap(

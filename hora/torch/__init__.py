@@ -6,40 +6,8 @@ Example:
     >>> x = hvd.allreduce(torch.ones(3) * hvd.rank(), op=hvd.Sum)
 """
 
-from hora.common import metrics
-from hora.common.basics import (
-    cross_rank,
-    cross_size,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    size,
-)
-from hora.common.build_info import (
-    ccl_built,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    mpi_built,
-    nccl_built,
-    rocm_built,
-)
-from hora.common.process_sets import ProcessSet
-from hora.common.startup.lifecycle import init, shutdown
-from hora.common.startup.registration import register_process_set as add_process_set
-from hora.common.startup.registration import unregister_process_set as remove_process_set
-from hora.common.startup.timeline import start_timeline, stop_timeline
-from hora.common.vocabulary.errors import (
-    HoraInternalError,
-    HoraValueError,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-)
+from hora.common import api
+from hora.common.api import *  # noqa: F403  (the framework-neutral names, listed once)
 from hora.torch import elastic
 from hora.torch.compression import Compression
 from hora.torch.functions import (
@@ -49,12 +17,6 @@ from hora.torch.functions import (
     broadcast_parameters,
 )
 from hora.torch.ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
     allgather,
     allgather_async,
     allreduce,
@@ -68,7 +30,6 @@ from hora.torch.ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    global_process_set,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -91,20 +52,8 @@ __all__ = [
     "DistributedOptimizer",
     "broadcast_optimizer_state",
     "broadcast_parameters",
-    "Adasum",
-    "Average",
     "Compression",
-    "HoraInternalError",
-    "HoraValueError",
-    "HorovodInternalError",
-    "HostsUpdatedInterrupt",
-    "Max",
-    "Min",
-    "ProcessSet",
-    "Product",
-    "Sum",
     "SyncBatchNorm",
-    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -120,15 +69,7 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
-    "ccl_built",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
     "elastic",
-    "gloo_built",
-    "gloo_enabled",
-    "global_process_set",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -137,30 +78,14 @@ __all__ = [
     "grouped_allreduce_async_",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
-    "init",
-    "is_homogeneous",
-    "is_initialized",
-    "start_timeline",
-    "stop_timeline",
-    "metrics",
     "join",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "poll",
-    "rank",
     "reducescatter",
     "reducescatter_async",
-    "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
     "sparse_allreduce_async",
     "synchronize",
 ]
+__all__ += api.__all__
 
 
 def __getattr__(name: str) -> object:

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from hora.common import basics, metrics
-from hora.common.engine import owns_its_memory
-from hora.common.ops import submission
+from hora.common import api, metrics
+from hora.common.ops import engine_facts, submission
 from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.message import ReduceOp
@@ -97,7 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._batch_of: dict[torch.Tensor, int] = {}
         self._batch_sizes: list[int] = []
         self._layout_of: Any = None
-        if process_set.included() and (basics.size() > 1 or elastic_job()):
+        if process_set.included() and (api.size() > 1 or elastic_job()):
             self._register_hooks(groups)
 
     # ------------------------------------------------------------------ setup
@@ -186,7 +185,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         on other threads and streams. Gradients of ``groups`` and of other process sets than
         the global one are never in a schedule's batches.
         """
-        layout = basics.engine().batch_layout
+        layout = engine_facts.batch_layout()
         if layout is None or self._process_set is not ops.global_process_set:
             return []
         if self._layout_of is None or self._layout_of() is not layout:
@@ -394,7 +393,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             and output.dtype == grad.dtype
             and output.shape == grad.shape
             and output.device == grad.device
-            and owns_its_memory(grad)
+            and engine_facts.owns_its_memory(grad)
         ):
             # The engine lent its buffer's view instead of writing into the submitted tensor
             # (see RepeatedAllreduce): the gradient adopts that memory, as Horovod's optimizer

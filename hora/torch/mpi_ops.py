@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from hora.common import basics
-from hora.common.engine.adasum import is_power_of_two as num_rank_is_power_2
+from hora.common import api
 from hora.common.ops import collectives, submission
+from hora.common.ops.engine_facts import is_power_of_two as num_rank_is_power_2
 from hora.common.ops.submission import handle_average_backwards_compatibility
 from hora.common.process_sets import ProcessSet
 from hora.torch import *  # noqa: F403 - Horovod's mpi_ops holds the package's collectives
@@ -210,7 +210,7 @@ class HorovodBroadcast(torch.autograd.Function):
         averaged = ops.allreduce(
             grad_output.contiguous(), op=ops.Average, process_set=ctx.process_set
         )
-        grad = averaged if basics.rank() == ctx.root_rank else averaged * 0
+        grad = averaged if api.rank() == ctx.root_rank else averaged * 0
         return (grad, None, None, None)
 
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from hora.common import basics
+from hora.common import api
 from hora.common.ops import collectives, submission
 from hora.common.ops.collectives import Adasum as Adasum
 from hora.common.ops.collectives import Average as Average
@@ -413,7 +413,7 @@ def broadcast(
         reduced = synchronize(
             allreduce_async(grads[0].contiguous(), op=Average, process_set=process_set)
         )
-        return [reduced if basics.rank() == root_rank else reduced * 0]
+        return [reduced if api.rank() == root_rank else reduced * 0]
 
     (result,) = _differentiable(send, gather_to_root, [tensor])
     return cast(torch.Tensor, result)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hora.common import basics
+from hora.common import api
 from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.message import ReduceOp, RequestType
@@ -102,7 +102,7 @@ def DistributedOptimizer(  # Horovod's name
             process_set,
             shard_gradients,
         )
-    adasum = reduce_op == ReduceOp.ADASUM and basics.size() > 1
+    adasum = reduce_op == ReduceOp.ADASUM and api.size() > 1
     if adasum:
         # Checked here, not at the first step: a job of 3 ranks fails at once.
         submission.check_adasum(RequestType.ALLREDUCE, [], process_set)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hora.common import basics, metrics
+from hora.common import api, metrics
 from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
@@ -448,7 +448,7 @@ def _state_dict_advice(exc: HoraInternalError) -> str:
     said = str(exc).strip().splitlines()
     what = said[0].rstrip(".") if said else type(exc).__name__
     try:
-        where = f" on rank {basics.rank()}"
+        where = f" on rank {api.rank()}"
     except Exception:  # the session is gone: the message names no rank
         where = ""
     return (

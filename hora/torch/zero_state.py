@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hora.common import basics
+from hora.common import api
 from hora.common.ops.objects import allgather_object, broadcast_object
 from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.errors import HoraValueError
@@ -207,7 +207,7 @@ def broadcast_state(opt: ShardedOptimizerView, root_rank: int) -> None:
     lists = opt.param_lists
     if root_whole:
         mine = None
-        if basics.rank() == root_rank and opt.loaded_state is not None:
+        if api.rank() == root_rank and opt.loaded_state is not None:
             # The state as loaded, with the options as they are now.
             mine = {"state": opt.loaded_state["state"], "param_groups": options(opt, lists)}
         whole = broadcast_dict(mine, root_rank, f"{name}.state", process_set)
@@ -235,12 +235,12 @@ def broadcast_dict(
 ) -> dict[str, Any]:
     """Send a state dict from ``root_rank``: its structure pickled, its tensors as tensors."""
     tensors: list[torch.Tensor] = []
-    skeleton = _strip(value, tensors) if basics.rank() == root_rank else None
+    skeleton = _strip(value, tensors) if api.rank() == root_rank else None
     shapes = [(tuple(t.shape), t.dtype) for t in tensors]
     skeleton, shapes = broadcast_object(
         (skeleton, shapes), root_rank, name=f"{name}.structure", process_set=process_set
     )
-    if basics.rank() == root_rank:
+    if api.rank() == root_rank:
         buffers = [t.detach().contiguous() for t in tensors]
     else:
         buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
@@ -300,6 +300,6 @@ def initial_snapshot(opt: ShardedOptimizerView) -> dict[str, Any]:
 def sync_from_root(opt: ShardedOptimizerView, snapshot: dict[str, Any], root_rank: int = 0) -> None:
     """Give every rank the root's snapshot, sliced for the ranks there are now."""
     if opt.process_set.included() and opt.layout_size_now() > 1:
-        mine = snapshot if basics.rank() == root_rank else None
+        mine = snapshot if api.rank() == root_rank else None
         snapshot = broadcast_dict(mine, root_rank, f"{opt.label}.elastic", opt.process_set)
     opt.load_state_dict(snapshot)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hora.common import basics
+from hora.common import api
 from hora.tensorflow import ops
 from hora.tensorflow.functions import allgather_object, broadcast_variables
 
@@ -395,7 +395,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         def multiplier(epoch: float) -> float:
             assert self.steps_per_epoch
             reached = epoch + 1.0 / self.steps_per_epoch
-            n = basics.size()
+            n = api.size()
             return 1.0 / n * (reached * (n - 1) / warmup_epochs + 1)
 
         super().__init__(
@@ -412,7 +412,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and basics.rank() == 0:
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and api.rank() == 0:
             lr = get_learning_rate(self.model.optimizer)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 
@@ -466,7 +466,7 @@ class BestModelCheckpoint(_keras.callbacks.ModelCheckpoint):  # type: ignore[mis
         self.filepath = filepath
 
     def _save_model(self, epoch: int, batch: int | None, logs: dict[str, Any] | None) -> None:
-        if basics.rank() != 0:
+        if api.rank() != 0:
             return
         if not self.filepath:
             raise ValueError(

@@ -84,10 +84,10 @@ Semantics worth knowing (see each object's documentation):
   joins a running job must reach the decorated function without other collectives first.
 """
 
+from hora.common.api import init, shutdown  # horovod.torch.elastic has them too
 from hora.common.elastic.durable import DurableCommitError, read_commit
 from hora.common.elastic.loop import reset_count, round_number, run, run_fn
 from hora.common.elastic.state import ObjectState, State
-from hora.common.startup.lifecycle import init, shutdown  # horovod.torch.elastic has them too
 from hora.common.vocabulary.errors import (
     HoraInternalError,
     HorovodInternalError,

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from hora.common import basics
+from hora.common import api
 
 
 class ElasticSampler(Sampler[int]):
@@ -96,7 +96,7 @@ class ElasticSampler(Sampler[int]):
         super().__init__()
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}.")
-        if rank is not None and not 0 <= rank < (num_replicas or basics.size()):
+        if rank is not None and not 0 <= rank < (num_replicas or api.size()):
             raise ValueError(f"rank {rank} is out of range for {num_replicas} replicas.")
         self.dataset = dataset
         self.shuffle = shuffle
@@ -186,10 +186,8 @@ class ElasticSampler(Sampler[int]):
         ``TorchState`` calls it after every reset of an elastic job; ``set_epoch`` and
         ``load_state_dict`` call it too.
         """
-        self.num_replicas = (
-            self._fixed_replicas if self._fixed_replicas is not None else basics.size()
-        )
-        self.rank = self._fixed_rank if self._fixed_rank is not None else basics.rank()
+        self.num_replicas = self._fixed_replicas if self._fixed_replicas is not None else api.size()
+        self.rank = self._fixed_rank if self._fixed_rank is not None else api.rank()
         total = self._total()
         self.processed_num = max(0, min(self.processed_num, total))
         self._order = self._permutation(total)
