@@ -6,38 +6,47 @@ Horovod's API has a ``Compression`` namespace of compressor classes per framewor
 and ``decompress(tensor, ctx) -> tensor`` users also implement themselves. The policy is written
 once here; an adapter supplies how its tensors are cast (:class:`Casts`) and names its
 compressors.
+
+The policy never looks inside a tensor or a type: a tensor is whatever the framework's is (the
+type variable ``TensorT``: what goes in comes out), a type (``dtype``) and a compressor's
+context are opaque objects it only compares and hands back.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol, TypeVar
+
+TensorT = TypeVar("TensorT")
 
 
 class Casts(Protocol):
     """How one framework casts its tensors, for :class:`CastCompressor`."""
 
-    def dtype(self, tensor: Any) -> Any:
+    def dtype(self, tensor: object) -> object:
         """The tensor's element type."""
 
-    def is_floating(self, dtype: Any) -> bool:
+    def is_floating(self, dtype: object) -> bool:
         """Whether ``dtype`` is a floating-point type."""
 
-    def wire_dtype(self, name: str) -> Any:
+    def wire_dtype(self, name: str) -> object:
         """The framework's type named ``float16`` or ``bfloat16``."""
 
-    def cast(self, tensor: Any, dtype: Any) -> Any:
+    def cast(self, tensor: TensorT, dtype: object) -> TensorT:
         """``tensor`` as ``dtype``."""
 
 
 class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``."""
+    """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``.
+
+    ``ctx`` is the compressor's own: whatever ``compress`` needs ``decompress`` to know.
+    """
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    def compress(tensor: TensorT) -> tuple[TensorT, object]:
         raise NotImplementedError
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
+    def decompress(tensor: TensorT, ctx: object) -> TensorT:
         raise NotImplementedError
 
 
@@ -45,11 +54,11 @@ class NoneCompressor(Compressor):
     """Sends tensors as they are."""
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    def compress(tensor: TensorT) -> tuple[TensorT, object]:
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
+    def decompress(tensor: TensorT, ctx: object) -> TensorT:
         return tensor
 
 
@@ -61,7 +70,7 @@ class CastCompressor(Compressor):
     casts: ClassVar[Casts]
 
     @classmethod
-    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+    def compress(cls, tensor: TensorT) -> tuple[TensorT, object]:
         casts = cls.casts
         dtype = casts.dtype(tensor)
         wire = casts.wire_dtype(cls.wire)
@@ -70,5 +79,5 @@ class CastCompressor(Compressor):
         return tensor, None
 
     @classmethod
-    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+    def decompress(cls, tensor: TensorT, ctx: object) -> TensorT:
         return tensor if ctx is None else cls.casts.cast(tensor, ctx)
