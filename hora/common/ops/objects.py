@@ -9,7 +9,7 @@ process of this job are never unpickled. The bytes travel as uint8 tensors throu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar, cast
 
 import cloudpickle
 import torch
@@ -20,14 +20,19 @@ from hora.common.ops import collectives
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.common.runtime import session
 
+T = TypeVar("T")
 
-def _broadcast_(tensor: torch.Tensor, root_rank: int, name: str, process_set: ProcessSet) -> Any:
+
+def _broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str, process_set: ProcessSet
+) -> torch.Tensor:
     handle = collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=True)
-    return collectives.synchronize(handle)
+    return cast(torch.Tensor, collectives.synchronize(handle))
 
 
-def _allgather(tensor: torch.Tensor, name: str, process_set: ProcessSet) -> Any:
-    return collectives.synchronize(collectives.allgather_async([tensor], name, process_set, False))
+def _allgather(tensor: torch.Tensor, name: str, process_set: ProcessSet) -> torch.Tensor:
+    handle = collectives.allgather_async([tensor], name, process_set, False)
+    return cast(torch.Tensor, collectives.synchronize(handle))
 
 
 def _secret() -> str:
@@ -42,11 +47,11 @@ def _default_name(kind: str) -> str:
 
 
 def broadcast_object(
-    obj: Any,
+    obj: T,
     root_rank: int = 0,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> T:
     """Send a picklable object from ``root_rank`` to every rank and return it everywhere.
 
     Example:
@@ -67,12 +72,13 @@ def broadcast_object(
     if basics.rank() == root_rank:
         return obj
     blob = verify(_secret(), data.numpy().tobytes(), what="broadcast object")
-    return cloudpickle.loads(blob)
+    received: T = cloudpickle.loads(blob)
+    return received
 
 
 def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> list[Any]:
+    obj: T, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[T]:
     """Gather a picklable object from every rank; returns the list in rank order.
 
     Example:
@@ -83,7 +89,7 @@ def allgather_object(
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     sizes = _allgather(torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sz", process_set)
     gathered = _allgather(data, f"{name}.t", process_set)
-    objects = []
+    objects: list[T] = []
     offset = 0
     raw = gathered.numpy().tobytes()
     for size in sizes.tolist():
