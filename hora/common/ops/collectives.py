@@ -11,12 +11,13 @@ its public signatures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, SupportsInt
 
 import torch
 
 from hora.common.ops import submission
+from hora.common.ops.submission import Op
 from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.errors import HoraValueError
 from hora.common.vocabulary.message import ReduceOp, RequestType
@@ -31,6 +32,10 @@ Product = ReduceOp.PRODUCT
 
 poll = submission.poll
 
+# The rows an alltoall sends to each rank: a 1-D integer tensor, integers, or ``None`` (equal
+# parts).
+Splits = torch.Tensor | Iterable[SupportsInt] | None
+
 
 def synchronize(handle: int) -> Any:
     """Wait for the operation behind ``handle`` and return its output.
@@ -44,7 +49,7 @@ def synchronize(handle: int) -> Any:
     return submission.wait(handle)
 
 
-def results(handle: int, grouped: bool) -> list[Any]:
+def results(handle: int, grouped: bool) -> list[torch.Tensor]:
     """Wait for ``handle``; its results as a list, one per tensor of the call."""
     result = synchronize(handle)
     return list(result) if grouped else [result]
@@ -54,7 +59,7 @@ def allreduce_async(
     tensors: Sequence[torch.Tensor],
     in_place: bool,
     name: str | None,
-    op: Any,
+    op: Op,
     average: bool | None,
     prescale_factor: float,
     postscale_factor: float,
@@ -133,7 +138,7 @@ def broadcast_async(
     )
 
 
-def _splits(tensor: torch.Tensor, splits: Any, set_size: int) -> tuple[int, ...] | None:
+def _splits(tensor: torch.Tensor, splits: Splits, set_size: int) -> tuple[int, ...] | None:
     """The rows for each rank, checked against the tensor (``None``: equal parts)."""
     if splits is None:
         if tensor.dim() == 0 or tensor.shape[0] % set_size != 0:
@@ -163,7 +168,7 @@ def _splits(tensor: torch.Tensor, splits: Any, set_size: int) -> tuple[int, ...]
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet
+    tensor: torch.Tensor, splits: Splits, name: str | None, process_set: ProcessSet
 ) -> int:
     """Start an alltoall; :func:`synchronize` gives ``(output, received_splits)``."""
     submission.check_process_set(process_set, RequestType.ALLTOALL)
@@ -173,7 +178,7 @@ def alltoall_async(
     )
 
 
-def reducescatter_op(op: Any) -> ReduceOp:
+def reducescatter_op(op: Op) -> ReduceOp:
     """The reduction of a reducescatter: Average (the default) or Sum."""
     reduce_op = submission.resolve_op(op, None, RequestType.REDUCESCATTER)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
@@ -184,7 +189,7 @@ def reducescatter_op(op: Any) -> ReduceOp:
 def reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None,
-    op: Any,
+    op: Op,
     process_set: ProcessSet,
     prescale_factor: float,
     postscale_factor: float,
@@ -209,7 +214,7 @@ def reducescatter_async(
     )
 
 
-def reducescatter_gradient_factor(op: Any, prescale: float, postscale: float, size: int) -> float:
+def reducescatter_gradient_factor(op: Op, prescale: float, postscale: float, size: int) -> float:
     """What a reducescatter's gradient is multiplied by before it is gathered back: the scale
     factors, and the number of ranks when the reduction was a sum."""
     return prescale * postscale * (size if reducescatter_op(op) == ReduceOp.SUM else 1)

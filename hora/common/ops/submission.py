@@ -14,16 +14,35 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
 from hora.common import basics
-from hora.common.engine import Entry, Handle, adasum, dtype_name
+from hora.common.engine import Engine, Entry, Handle, adasum, dtype_name
 from hora.common.process_sets import ProcessSet
-from hora.common.runtime import GROUPED_CALLS_KEPT, runtime, session
+from hora.common.runtime import GROUPED_CALLS_KEPT, GroupedEntry, HandleEntry, runtime, session
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 from hora.common.vocabulary.message import ReduceOp, Request, RequestType
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+# What a call may name its reduction with: a ``ReduceOp`` (``hvd.Sum``), its number, or
+# ``None`` for the default (see :func:`resolve_op`).
+Op = ReduceOp | int | None
+
+
+class RequestFields(TypedDict, total=False):
+    """What a collective tells the engine besides its tensors (the rest of a
+    :class:`~hora.common.vocabulary.message.Request`'s fields)."""
+
+    reduce_op: ReduceOp
+    prescale: float
+    postscale: float
+    root_rank: int
+    splits: tuple[int, ...] | None
+
 
 # ---------------------------------------------------------------- holders
 
@@ -82,7 +101,7 @@ def set_rank(process_set: ProcessSet) -> int:
     return engine.process_sets.members(process_set.process_set_id or 0).index(engine.rank)
 
 
-def resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
+def resolve_op(op: Op, average: bool | None, kind: RequestType) -> ReduceOp:
     """The reduction a call asks for: ``op``, or the deprecated ``average``; Average by default."""
     if op is not None and average is not None:
         raise HoraValueError(
@@ -106,7 +125,7 @@ def resolve_op(op: Any, average: bool | None, kind: RequestType) -> ReduceOp:
         ) from None
 
 
-def handle_average_backwards_compatibility(op: Any, average: bool | None) -> Any:
+def handle_average_backwards_compatibility(op: Op, average: bool | None) -> int:
     """Horovod's helper for the deprecated ``average`` argument: the op a call should use.
 
     ``op`` wins when given alone (returned as it is); ``average=True`` or ``False`` gives
@@ -170,7 +189,7 @@ def check_adasum(
             )
 
 
-def _check_tensor(tensor: Any, kind: RequestType) -> str:
+def _check_tensor(tensor: object, kind: RequestType) -> str:
     """The engine's name of the tensor's dtype, once the tensor is one the engine can take."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op_label(kind)} expects a torch.Tensor, got {type(tensor).__name__}.")
@@ -203,7 +222,7 @@ def describe(
     tensor: torch.Tensor,
     set_id: int,
     group: tuple[str, int] | None,
-    fields: dict[str, Any],
+    fields: RequestFields,
 ) -> Request:
     """Check one tensor and describe it to the engine."""
     dtype = _check_tensor(tensor, kind)
@@ -226,7 +245,7 @@ def submit(
     name: str | None,
     process_set: ProcessSet,
     grouped: bool = False,
-    **fields: Any,
+    **fields: Unpack[RequestFields],
 ) -> Handle:
     """Build one entry per tensor and hand them to the engine atomically.
 
@@ -266,7 +285,7 @@ def _describe_all(
     tensors: Sequence[torch.Tensor],
     set_id: int,
     grouped: bool,
-    fields: dict[str, Any],
+    fields: RequestFields,
 ) -> list[Request]:
     """Check and describe each tensor of a call named ``base``."""
     count = len(tensors)
@@ -283,12 +302,12 @@ def _describe_all(
 
 
 def _grouped_requests(
-    known_calls: dict[tuple[Any, ...], Any],
+    known_calls: dict[tuple[object, ...], GroupedEntry],
     kind: RequestType,
     base: str,
     tensors: Sequence[torch.Tensor],
     set_id: int,
-    fields: dict[str, Any],
+    fields: RequestFields,
 ) -> list[Request]:
     """The requests of a named grouped call, reused from ``known_calls`` (the session's) while
     the tensors stay alike.
@@ -311,7 +330,7 @@ def _grouped_requests(
     except TypeError:  # a field that cannot be a key: describe every time
         known = key = None
     if known is not None and known[0] == signature:
-        return known[1]  # type: ignore[no-any-return]
+        return known[1]
     requests = _describe_all(kind, base, tensors, set_id, True, fields)
     if key is not None:
         if len(known_calls) >= GROUPED_CALLS_KEPT and key not in known_calls:
@@ -375,13 +394,13 @@ class RepeatedAllreduce:
         self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
         self._lend = lend
         self._process_set = process_set
-        self._fields: dict[str, Any] = {
+        self._fields: RequestFields = {
             "reduce_op": op,
             "prescale": float(prescale_factor),
             "postscale": float(postscale_factor),
         }
         self._request: Request | None = None
-        self._engine: Any = None
+        self._engine: Engine | None = None
         self._dtype: torch.dtype | None = None
 
     @property
@@ -426,7 +445,7 @@ class RepeatedAllreduce:
 # see wait()). A new session starts with none, so a handle of an earlier one is unknown.
 
 
-def _handles() -> dict[int, Any]:
+def _handles() -> dict[int, HandleEntry]:
     current = runtime().session
     return current.handles if current is not None else {}
 
@@ -517,7 +536,7 @@ def _engine_stream_waits_for_caller(device: torch.device) -> None:
         default.wait_stream(current)
 
 
-def _caller_waits_for_engine_stream(results: Sequence[Any]) -> None:
+def _caller_waits_for_engine_stream(results: Sequence[object]) -> None:
     """Order the caller's later work on a CUDA result after the engine's copy into it.
 
     ``results`` holds one result per entry: a tensor, or a tuple of tensors (alltoall).
