@@ -18,7 +18,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.settings_table import Unheeded, Variable
@@ -42,7 +42,7 @@ def _first_set(names: tuple[str, ...], env: Mapping[str, str] | None) -> tuple[s
     return None
 
 
-def raw(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | None:
+def raw(variable: Variable[object], env: Mapping[str, str] | None = None) -> str | None:
     """The text of ``HORA_<name>`` or, failing that, of its ``HOROVOD_<name>`` twin (``None``
     when neither is set, or set to the empty string).
 
@@ -67,13 +67,13 @@ def _parse(variable: Variable[T], text: str) -> T:
     return value
 
 
-def _lacked(variable: Variable[Any], name: str, value: Any) -> bool:
+def _lacked(variable: Variable[object], name: str, value: object) -> bool:
     """Whether ``value``, read from ``name``, is one of Horovod's values that hora lacks (then
     the twin counts as unset; see ``Variable.lacking``)."""
     return bool(variable.lacking) and name != variable.env and value not in variable.choices
 
 
-def chosen_by(variable: Variable[Any], env: Mapping[str, str] | None = None) -> str | None:
+def chosen_by(variable: Variable[object], env: Mapping[str, str] | None = None) -> str | None:
     """The name of the variable whose value :func:`read` returns: ``HORA_<name>``, or its
     Horovod twin unless that holds a value hora lacks; ``None`` when the default applies."""
     found = _first_set(variable.environ_names, env)
@@ -101,14 +101,14 @@ def read(
     return variable.default if default is None else default
 
 
-def is_set(variable: Variable[Any], env: Mapping[str, str] | None = None) -> bool:
+def is_set(variable: Variable[object], env: Mapping[str, str] | None = None) -> bool:
     """Whether ``variable`` (or its Horovod twin) is set to something."""
     return raw(variable, env) is not None
 
 
-def _setting(variable: Variable[Any], negated: bool = False) -> Any:
+def _setting(variable: Variable[T], negated: bool = False) -> T:
     """A :class:`Settings` field read from ``variable`` (``negated``: its boolean opposite)."""
-    default = not variable.default if negated else variable.default
+    default = cast(T, not variable.default) if negated else variable.default
     return field(default=default, metadata={"variable": variable, "negated": negated})
 
 
@@ -182,7 +182,7 @@ class Settings:
         """
         values: dict[str, Any] = {}
         for declared in fields(cls):
-            variable: Variable[Any] = declared.metadata["variable"]
+            variable: Variable[object] = declared.metadata["variable"]
             value = read(variable, env)
             values[declared.name] = not value if declared.metadata["negated"] else value
         values["cpu_operations"] = cpu_operations(env)[0]
@@ -201,12 +201,12 @@ class Settings:
 
 # The variable each field of :class:`Settings` is read from (``stall_check_enabled`` is the
 # negation of ``HORA_STALL_CHECK_DISABLE``).
-SETTINGS_VARIABLES: dict[str, Variable[Any]] = {
+SETTINGS_VARIABLES: dict[str, Variable[object]] = {
     declared.name: declared.metadata["variable"] for declared in fields(Settings)
 }
 # The fields every rank must hold alike (their variables are declared ``agreed``): ``hvd.init()``
 # compares them across ranks (:func:`hora.common.startup.wiring.agree_on_settings`).
-AGREED_SETTINGS: dict[str, Variable[Any]] = {
+AGREED_SETTINGS: dict[str, Variable[object]] = {
     name: variable for name, variable in SETTINGS_VARIABLES.items() if variable.agreed
 }
 

@@ -11,7 +11,6 @@ import enum
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class RequestType(enum.IntEnum):
@@ -117,7 +116,7 @@ class Request:
             count *= dim
         return count
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         """A compact JSON-able list (field order is the wire format)."""
         return [
             self.name,
@@ -136,7 +135,7 @@ class Request:
         ]
 
     @classmethod
-    def from_wire(cls, item: Any) -> Request:
+    def from_wire(cls, item: object) -> Request:
         """Rebuild a request from :meth:`to_wire` output.
 
         Raises:
@@ -212,7 +211,7 @@ class CycleMessage:
         """The variable part (requests and shutdown reason) as UTF-8 JSON; empty when idle."""
         if not self.requests and self.shutdown is None:
             return b""
-        body: dict[str, Any] = {"r": [r.to_wire() for r in self.requests]}
+        body: dict[str, object] = {"r": [r.to_wire() for r in self.requests]}
         if self.shutdown is not None:
             body["s"] = self.shutdown
             if self.orderly:

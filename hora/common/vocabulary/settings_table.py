@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-T = TypeVar("T")
+# A variable's value type. Covariant: a ``Variable[int]`` is a ``Variable[object]`` (the table
+# of every variable), as the declarations are frozen and only read.
+T_co = TypeVar("T_co", covariant=True)
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
@@ -54,7 +56,7 @@ def parse_number(raw: str) -> float:
 
 
 @dataclass(frozen=True)
-class Kind(Generic[T]):
+class Kind(Generic[T_co]):
     """How a variable's text becomes a value.
 
     Attributes:
@@ -63,7 +65,7 @@ class Kind(Generic[T]):
     """
 
     expected: str
-    parse: Callable[[str], T]
+    parse: Callable[[str], T_co]
 
 
 INTEGER: Kind[int] = Kind("an integer", parse_int)
@@ -137,7 +139,7 @@ Table = Literal["settings", "launcher", "elastic", None]
 
 
 @dataclass(frozen=True)
-class Variable(Generic[T]):
+class Variable(Generic[T_co]):
     """One environment variable: ``HORA_<name>``, and ``HOROVOD_<name>`` when ``horovod``.
 
     Attributes:
@@ -164,8 +166,8 @@ class Variable(Generic[T]):
     """
 
     name: str
-    kind: Kind[T]
-    default: T
+    kind: Kind[T_co]
+    default: T_co
     meaning: str
     horovod: bool = True
     bounds: Bounds | None = None
@@ -611,7 +613,7 @@ HOST_DISCOVERY_TIMEOUT = Variable(
     bounds=POSITIVE, unit="seconds", horovod=False, table="elastic",
 )  # fmt: skip
 
-VARIABLES: tuple[Variable[Any], ...] = (
+VARIABLES: tuple[Variable[object], ...] = (
     FUSION_THRESHOLD,
     CYCLE_TIME,
     CARRY_THRESHOLD,
@@ -671,7 +673,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     HOST_DISCOVERY_TIMEOUT,
 )
 
-BY_NAME: dict[str, Variable[Any]] = {variable.name: variable for variable in VARIABLES}
+BY_NAME: dict[str, Variable[object]] = {variable.name: variable for variable in VARIABLES}
 
 # ---------------------------------------------------------------- Horovod's, not acted on
 
