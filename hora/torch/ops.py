@@ -75,6 +75,18 @@ def _contiguous(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
 
+def _compressed(
+    compression: Any,
+    tensors: Sequence[torch.Tensor],
+    run: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """``run`` on the tensors as ``compression`` sends them (contiguous); each result as
+    ``compression`` gives it back."""
+    compressed = [compression.compress(t) for t in tensors]
+    results = run([c.contiguous() for c, _ in compressed])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
+
+
 # ---------------------------------------------------------------- allreduce
 
 
@@ -163,18 +175,15 @@ def allreduce(
     Example:
         >>> total = hvd.allreduce(torch.tensor([hvd.rank()]), op=hvd.Sum)
     """
-    compressed, ctx = compression.compress(tensor)
-    (result,) = _differentiable_allreduce(
-        [compressed.contiguous()],
-        False,
-        average,
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
+    scales = (prescale_factor, postscale_factor)
+    (result,) = _compressed(
+        compression,
+        [tensor],
+        lambda inputs: _differentiable_allreduce(
+            inputs, False, average, name, op, *scales, process_set
+        ),
     )
-    return cast(torch.Tensor, compression.decompress(result, ctx))
+    return result
 
 
 def allreduce_(
@@ -236,18 +245,14 @@ def grouped_allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors together (one negotiation, fused where possible)."""
-    compressed = [compression.compress(t) for t in tensors]
-    results = _differentiable_allreduce(
-        [c.contiguous() for c, _ in compressed],
-        True,
-        average,
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
+    scales = (prescale_factor, postscale_factor)
+    return _compressed(
+        compression,
+        tensors,
+        lambda inputs: _differentiable_allreduce(
+            inputs, True, average, name, op, *scales, process_set
+        ),
     )
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
 
 
 def grouped_allreduce_(
@@ -549,11 +554,13 @@ def reducescatter(
 
     When dimension 0 does not divide evenly, the first ``dim0 % size`` ranks get one extra row.
     """
-    compressed, ctx = compression.compress(tensor)
-    (result,) = _differentiable_reducescatter(
-        [compressed.contiguous()], False, name, op, process_set, prescale_factor, postscale_factor
+    scales = (prescale_factor, postscale_factor)
+    (result,) = _compressed(
+        compression,
+        [tensor],
+        lambda inputs: _differentiable_reducescatter(inputs, False, name, op, process_set, *scales),
     )
-    return cast(torch.Tensor, compression.decompress(result, ctx))
+    return result
 
 
 def grouped_reducescatter(
@@ -566,17 +573,12 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """Reducescatter each tensor of a list, negotiated together."""
-    compressed = [compression.compress(t) for t in tensors]
-    results = _differentiable_reducescatter(
-        [c.contiguous() for c, _ in compressed],
-        True,
-        name,
-        op,
-        process_set,
-        prescale_factor,
-        postscale_factor,
+    scales = (prescale_factor, postscale_factor)
+    return _compressed(
+        compression,
+        tensors,
+        lambda inputs: _differentiable_reducescatter(inputs, True, name, op, process_set, *scales),
     )
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
 
 
 # ---------------------------------------------------------------- synchronization
