@@ -50,11 +50,26 @@ def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.T
     return grad.narrow(0, collectives.own_rows_offset(rows, process_set), rows)
 
 
+def _reduction(
+    op: Any, prescale_factor: float, postscale_factor: float, process_set: ProcessSet
+) -> dict[str, Any]:
+    """How a forward pass reduces, as keyword arguments of its collective: the backward pass
+    keeps them (``ctx.reduction``) to reduce or scale the gradients the same way."""
+    return {
+        "op": op,
+        "prescale_factor": prescale_factor,
+        "postscale_factor": postscale_factor,
+        "process_set": process_set,
+    }
+
+
 def _reducescatter_gradients(ctx: Any, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """A reducescatter's output gradients, scaled as the forward pass scaled its inputs."""
-    prescale, postscale = ctx.scales
-    size = submission.set_size(ctx.process_set)
-    factor = collectives.reducescatter_gradient_factor(ctx.op, prescale, postscale, size)
+    reduction = ctx.reduction
+    size = submission.set_size(reduction["process_set"])
+    factor = collectives.reducescatter_gradient_factor(
+        reduction["op"], reduction["prescale_factor"], reduction["postscale_factor"], size
+    )
     return [g * factor if factor != 1.0 else g for g in grads]
 
 
@@ -76,28 +91,13 @@ class HorovodAllreduce(torch.autograd.Function):
         postscale_factor: float,
         process_set: ProcessSet,
     ) -> torch.Tensor:
-        ctx.reduction = (average, op, prescale_factor, postscale_factor, process_set)
-        return ops.allreduce(
-            tensor,
-            average,
-            name,
-            op=op,
-            prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor,
-            process_set=process_set,
-        )
+        ctx.average = average
+        ctx.reduction = _reduction(op, prescale_factor, postscale_factor, process_set)
+        return ops.allreduce(tensor, average, name, **ctx.reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        average, op, prescale, postscale, process_set = ctx.reduction
-        grad = ops.allreduce(
-            grad_output.contiguous(),
-            average,
-            op=op,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            process_set=process_set,
-        )
+        grad = ops.allreduce(grad_output.contiguous(), ctx.average, **ctx.reduction)
         return (grad, None, None, None, None, None, None)
 
 
@@ -119,30 +119,14 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         process_set: ProcessSet,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.reduction = (average, op, prescale_factor, postscale_factor, process_set)
-        return tuple(
-            ops.grouped_allreduce(
-                list(tensors),
-                average,
-                name,
-                op=op,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-                process_set=process_set,
-            )
-        )
+        ctx.average = average
+        ctx.reduction = _reduction(op, prescale_factor, postscale_factor, process_set)
+        return tuple(ops.grouped_allreduce(list(tensors), average, name, **ctx.reduction))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        average, op, prescale, postscale, process_set = ctx.reduction
-        grads = ops.grouped_allreduce(
-            [g.contiguous() for g in grad_outputs],
-            average,
-            op=op,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            process_set=process_set,
-        )
+        contiguous = [g.contiguous() for g in grad_outputs]
+        grads = ops.grouped_allreduce(contiguous, ctx.average, **ctx.reduction)
         return (None, None, None, None, None, None, *grads)
 
 
@@ -258,21 +242,13 @@ class HorovodReducescatter(torch.autograd.Function):
         prescale_factor: float,
         postscale_factor: float,
     ) -> torch.Tensor:
-        ctx.op, ctx.process_set = op, process_set
-        ctx.scales = (prescale_factor, postscale_factor)
-        return ops.reducescatter(
-            tensor,
-            name,
-            op=op,
-            process_set=process_set,
-            prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor,
-        )
+        ctx.reduction = _reduction(op, prescale_factor, postscale_factor, process_set)
+        return ops.reducescatter(tensor, name, **ctx.reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (scaled,) = _reducescatter_gradients(ctx, (grad_output,))
-        grad = ops.allgather(scaled.contiguous(), process_set=ctx.process_set)
+        grad = ops.allgather(scaled.contiguous(), process_set=ctx.reduction["process_set"])
         return (grad, None, None, None, None, None)
 
 
@@ -291,21 +267,12 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         postscale_factor: float,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.process_set = op, process_set
-        ctx.scales = (prescale_factor, postscale_factor)
-        return tuple(
-            ops.grouped_reducescatter(
-                list(tensors),
-                name,
-                op=op,
-                process_set=process_set,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-            )
-        )
+        ctx.reduction = _reduction(op, prescale_factor, postscale_factor, process_set)
+        return tuple(ops.grouped_reducescatter(list(tensors), name, **ctx.reduction))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         scaled = _reducescatter_gradients(ctx, grad_outputs)
-        grads = ops.grouped_allgather([g.contiguous() for g in scaled], process_set=ctx.process_set)
+        contiguous = [g.contiguous() for g in scaled]
+        grads = ops.grouped_allgather(contiguous, process_set=ctx.reduction["process_set"])
         return (None, None, None, None, None, *grads)
