@@ -170,6 +170,22 @@ def check_name(name: str) -> None:
         )
 
 
+def utf8_text(data: bytes, error: type[Exception], where: str, advice: str) -> str:
+    """``data``, a list of hosts, as text.
+
+    Raises:
+        error: it is not UTF-8 text; the message is ``where``, the line and the byte, and
+            ``advice``.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(
+            f"{where}line {line}: byte 0x{data[exc.start]:02x} is not UTF-8 text. {advice}"
+        ) from None
+
+
 def _hostfile_text(path: str) -> str:
     """A hostfile's text.
 
@@ -180,14 +196,8 @@ def _hostfile_text(path: str) -> str:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise HostError(f"cannot read hostfile {path!r}: {exc.strerror}.") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise HostError(
-            f"{path}, line {line}: byte 0x{data[exc.start]:02x} is not UTF-8 text. A hostfile "
-            "lists host names, one per line (`node1 slots=4`); is this the right file?"
-        ) from None
+    advice = "A hostfile lists host names, one per line (`node1 slots=4`); is this the right file?"
+    return utf8_text(data, HostError, f"{path}, ", advice)
 
 
 def parse_hostfile(path: str) -> list[Host]:

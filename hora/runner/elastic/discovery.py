@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from hora.common.vocabulary.settings_table import HOST_DISCOVERY_TIMEOUT
-from hora.runner.hosts import Host, slot_count, split_entry
+from hora.runner.hosts import Host, slot_count, split_entry, utf8_text
 
 # How often the discovery script runs, and how long one run may take by default.
 DISCOVERY_INTERVAL_S = 1.0
@@ -212,15 +212,11 @@ def _text(stdout: bytes) -> str:
     Raises:
         DiscoveryError: it is not UTF-8 (the message names the line and the byte).
     """
-    try:
-        return stdout.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = stdout.count(b"\n", 0, exc.start) + 1
-        raise DiscoveryError(
-            f"line {line}: byte 0x{stdout[exc.start]:02x} is not UTF-8 text. A host discovery "
-            "script prints host names, one `host` or `host:slots` a line: check that it prints "
-            "nothing else (a banner, a progress bar, binary data)."
-        ) from None
+    advice = (
+        "A host discovery script prints host names, one `host` or `host:slots` a line: check "
+        "that it prints nothing else (a banner, a progress bar, binary data)."
+    )
+    return utf8_text(stdout, DiscoveryError, "", advice)
 
 
 class HostWatcher:
