@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -50,6 +50,10 @@ class _Finished:
 FINISHED: Pending = _Finished()
 
 
+# How many rows of an alltoall's buffer go to (or come from) each member, in member order.
+Sizes = Sequence[int]
+
+
 class Communicator(Protocol):
     """Collectives among the members of one process set.
 
@@ -65,10 +69,12 @@ class Communicator(Protocol):
     # ``hierarchical``, ``mpi``, ``nccl``, ``local``.
     path: str
 
-    def allreduce(self, buffer: Any, op: ReduceOp) -> None:
+    def allreduce(self, buffer: torch.Tensor, op: ReduceOp) -> None:
         """Reduce ``buffer`` element-wise across members, in place (Sum, Min, Max or Product)."""
 
-    def allreduce_async(self, buffer: Any, op: ReduceOp, timeout_s: float | None = None) -> Pending:
+    def allreduce_async(
+        self, buffer: torch.Tensor, op: ReduceOp, timeout_s: float | None = None
+    ) -> Pending:
         """Start :meth:`allreduce` and return at once; ``buffer`` is not touched after ``wait``.
 
         Operations started on one communicator are matched across members in the order they
@@ -76,21 +82,23 @@ class Communicator(Protocol):
         communicator's timeout for this operation (how long it may wait for its peers).
         """
 
-    def allgather(self, outputs: Sequence[Any], buffer: Any) -> None:
+    def allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         """Gather every member's ``buffer`` (all the same size) into ``outputs[member]``."""
 
-    def broadcast(self, buffer: Any, root: int) -> None:
+    def broadcast(self, buffer: torch.Tensor, root: int) -> None:
         """Copy member ``root``'s buffer into every member's ``buffer``."""
 
     def alltoall(
-        self, output: Any, buffer: Any, output_splits: Sequence[int], input_splits: Sequence[int]
+        self, output: torch.Tensor, buffer: torch.Tensor, output_splits: Sizes, input_splits: Sizes
     ) -> None:
         """Send ``input_splits[j]`` rows to member j; receive ``output_splits[j]`` rows from it."""
 
-    def reducescatter(self, output: Any, chunks: Sequence[Any], op: ReduceOp) -> None:
+    def reducescatter(
+        self, output: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
+    ) -> None:
         """Reduce ``chunks[j]`` across members into member j's ``output``."""
 
-    def sendrecv(self, send: Any, receive: Any, peer: int) -> None:
+    def sendrecv(self, send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
         """Send ``send`` to member ``peer`` and receive ``receive`` from it, both at once.
 
         Both members call it with each other as ``peer``; either buffer may be empty.
@@ -104,6 +112,14 @@ class Communicator(Protocol):
 
     def abort(self) -> None:
         """Fail every operation in flight, now, so blocked callers return."""
+
+
+# What makes a process set's communicator: ``(scope, rank_in_set, set_size)``; the scope names
+# the set's keys in the job's store, distinct for every set and every ``init``.
+CommunicatorFactory = Callable[[str, int, int], Communicator]
+# What makes a communicator whose buffers live on a GPU: ``(scope, rank_in_set, set_size,
+# device)``; ``None`` where the set cannot have one (its members share a GPU).
+DeviceCommunicatorFactory = Callable[[str, int, int, torch.device], Communicator | None]
 
 
 def repeated_buffer(comm: Communicator, numel: int, dtype: torch.dtype) -> torch.Tensor:
