@@ -8,14 +8,18 @@ devices, never requests, negotiation or what runs on the communicators it hands 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from hora.common.engine.buffers import local_gpu
 from hora.common.job.store_keys import GenerationKeys
+from hora.common.job.topology import Topology
 from hora.common.process_sets import ProcessSetTable
-from hora.common.transport import Communicator, TransportError
+from hora.common.transport import (
+    Communicator,
+    CommunicatorFactory,
+    DeviceCommunicatorFactory,
+    TransportError,
+)
 from hora.common.vocabulary.errors import HoraInternalError
 
 
@@ -25,8 +29,8 @@ class Communicators:
     Connects the control communicator and the global set's (``ps0``), in that order, when made.
 
     Args:
-        rank, size: this rank and the job's size.
-        local_rank: this rank on its host (picks its GPU when no tensor says which).
+        topology: this process's place in the job (its rank, the job's size, and its local
+            rank, which picks its GPU when no tensor says which).
         keys: the generation's store keys (scopes stay distinct across ``init`` calls).
         process_sets: the engine's table of process sets.
         make: builds a communicator for ``(scope, rank_in_set, set_size)``.
@@ -42,16 +46,15 @@ class Communicators:
 
     def __init__(
         self,
-        rank: int,
-        size: int,
-        local_rank: int,
+        topology: Topology,
         keys: GenerationKeys,
         process_sets: ProcessSetTable,
-        make: Callable[[str, int, int], Communicator],
-        make_device: Callable[[str, int, int, torch.device], Communicator | None] | None,
+        make: CommunicatorFactory,
+        make_device: DeviceCommunicatorFactory | None,
     ) -> None:
+        rank, size = topology.rank, topology.size
         self._rank = rank
-        self._local_rank = local_rank
+        self._local_rank = topology.local_rank
         self._keys = keys
         self._process_sets = process_sets
         self._make = make
@@ -141,6 +144,11 @@ class Communicators:
                 return self._by_set[set_id]
             self.device[set_id] = comm
         return comm
+
+    def of_global_set(self, device: str) -> Communicator:
+        """The global set's communicator for tensors on a device type (``"cpu"``, ``"cuda"``):
+        the steady state runs its batches there."""
+        return self.for_batch(0, device, None)
 
     def all(self) -> list[Communicator]:
         """Every communicator: the control one, the sets' own, the GPU ones."""

@@ -20,21 +20,14 @@ import torch
 
 from hora.common.engine import carry, fusion
 from hora.common.engine.buffers import copy_out_pieces, writing_to_inference
-from hora.common.engine.communicators import Communicators
-from hora.common.engine.counters import Counters
+from hora.common.engine.context import EngineContext, NegotiationState
 from hora.common.engine.exchange import Contribution, Exchange
 from hora.common.engine.executors import Run, executor_for
-from hora.common.engine.finisher import Finisher
 from hora.common.engine.handles import fail, finish
-from hora.common.engine.intake import Intake
-from hora.common.engine.negotiation import MessageTable, ResponseCache
+from hora.common.engine.negotiation import ResponseCache
 from hora.common.engine.parking import Parking
-from hora.common.engine.stall import StallInspector
 from hora.common.engine.steady.replay import Replay
 from hora.common.engine.timing import HOLD_WHILE_IN_FLIGHT_S
-from hora.common.engine.tracing import Tracer
-from hora.common.process_sets import ProcessSetTable
-from hora.common.vocabulary.config import Settings
 from hora.common.vocabulary.errors import shut_down_message
 from hora.common.vocabulary.message import Key, RequestType, Response
 
@@ -43,18 +36,12 @@ class Cycle:
     """The cycles of one engine, run one after another on its thread.
 
     Args:
-        settings: engine settings.
-        rank, size: this rank and the job's size.
-        intake: the engine's intake.
-        tracer: the engine's timeline.
-        counters: the engine's counters.
-        finisher: completes the allreduces a cycle starts.
-        communicators: the process sets' communicators.
-        process_sets: the engine's table of process sets.
+        context: the engine's shared parts: settings, rank and size, the intake, the tracer,
+            the counters, the communicators, and the finisher that completes the allreduces a
+            cycle starts.
+        negotiation: the negotiation table, the process sets, the stall inspector.
         replay: the steady state (runs instead of negotiating once the allreduces repeat).
         parking: when and how this rank parks.
-        table: the negotiation table.
-        stall: the stall inspector.
 
     Attributes:
         carrier: this rank's small allreduces carried in the exchange (see carry.py).
@@ -62,36 +49,30 @@ class Cycle:
 
     def __init__(
         self,
-        settings: Settings,
-        rank: int,
-        size: int,
-        intake: Intake,
-        tracer: Tracer,
-        counters: Counters,
-        finisher: Finisher,
-        communicators: Communicators,
-        process_sets: ProcessSetTable,
+        context: EngineContext,
+        negotiation: NegotiationState,
         replay: Replay,
         parking: Parking,
-        table: MessageTable,
-        stall: StallInspector,
     ) -> None:
+        settings = context.settings
+        self._context = context
         self._settings = settings
-        self._rank = rank
-        self._size = size
-        self._intake = intake
-        self._tracer = tracer
-        self._counters = counters
-        self._finisher = finisher
-        self._communicators = communicators
-        self._process_sets = process_sets
+        self._rank = context.rank
+        self._size = context.size
+        self._intake = context.intake
+        self._tracer = context.tracer
+        self._counters = context.counters
+        self._finisher = context.finisher
+        self._communicators = context.communicators
+        # What the cycle reads and changes of negotiation's state.
+        self._process_sets = negotiation.process_sets
+        self._table = negotiation.table
+        self._stall = negotiation.stall
         self._replay = replay
         self._parking = parking
-        self._table = table
-        self._stall = stall
         self._cache = ResponseCache(settings.cache_capacity)
-        self.carrier = carry.Carrier(settings.carry_threshold_bytes if size > 1 else 0)
-        self._exchange = Exchange(rank, size, self._cache, self.carrier, communicators.control)
+        self.carrier = carry.Carrier(settings.carry_threshold_bytes if context.size > 1 else 0)
+        self._exchange = Exchange(context, self._cache, self.carrier)
         # When the last cycle ended with requests still waiting for other ranks (0: it did not).
         self._waiting_since = 0.0
         self._last_cycle_end = 0.0
@@ -239,11 +220,8 @@ class Cycle:
             self._communicators.for_batch(head.process_set_id, head.template().device, hint),
             self._communicators.of_set(head.process_set_id),
             members,
-            self._rank,
             number,
-            tracer,
-            self._finisher,
-            self._counters,
+            self._context,
         )
         if head.kind == RequestType.ALLREDUCE:
             # A destination made in inference mode is written in inference mode.

@@ -20,12 +20,10 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
-
-import torch
 
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.communicators import Communicators
+from hora.common.engine.context import EngineContext, NegotiationState
 from hora.common.engine.counters import Counters
 from hora.common.engine.cycle import Cycle
 from hora.common.engine.failures import Watcher, diagnose
@@ -42,7 +40,11 @@ from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import CAUSE, GenerationKeys
 from hora.common.job.topology import Topology
 from hora.common.process_sets import ProcessSetTable
-from hora.common.transport import Communicator, TransportError
+from hora.common.transport import (
+    CommunicatorFactory,
+    DeviceCommunicatorFactory,
+    TransportError,
+)
 from hora.common.vocabulary.config import Settings
 from hora.common.vocabulary.message import Request, RequestType
 from hora.common.vocabulary.timeline_writer import Timeline
@@ -78,11 +80,10 @@ class Engine:
         topology: Topology,
         settings: Settings,
         store: StoreClient,
-        communicator_factory: Callable[[str, int, int], Communicator],
+        communicator_factory: CommunicatorFactory,
         generation: int = 0,
         process_sets: list[tuple[int, ...]] | None = None,
-        device_communicator_factory: Callable[[str, int, int, torch.device], Communicator | None]
-        | None = None,
+        device_communicator_factory: DeviceCommunicatorFactory | None = None,
     ) -> None:
         self.topology = topology
         self.settings = settings
@@ -94,8 +95,12 @@ class Engine:
         self._store = store
         self._keys = GenerationKeys(generation)
         self.process_sets = ProcessSetTable(topology.size)
-        table = MessageTable(self.process_sets)
-        stall = self._make_stall_inspector()
+        # Rank 0's watch over tensors that some ranks submitted and others did not.
+        stall = StallInspector(
+            settings.stall_check_time_s,
+            settings.stall_shutdown_time_s,
+            settings.stall_check_enabled and self.rank == 0,
+        )
         self.intake = Intake()
         self.tracer = Tracer(nvtx_ranges() if settings.enable_nvtx else None)
         # What the engine did, for live metrics (hora.common.metrics reads it at step ends).
@@ -106,94 +111,34 @@ class Engine:
             self.rank, lambda: self.intake.failure, self._transport_failed, self.intake.notify
         )
         self._fail_lock = threading.Lock()
-        self._parking = self._make_parking(table, stall)
-        self._communicators = self._make_communicators(
-            communicator_factory, device_communicator_factory
-        )
-        self.replay = self._make_replay()
-        self._cycle = self._make_cycle(table, stall)
-        for ranks in process_sets or []:
-            set_id = self.process_sets.reserve_id()
-            self._communicators.register(set_id, ranks)
-
-    # ----------------------------------------------------------------- building the parts
-    # Steps of __init__, in the order it takes them: each part is built from those before it.
-
-    def _make_stall_inspector(self) -> StallInspector:
-        """Rank 0's watch over tensors that some ranks submitted and others did not."""
-        settings = self.settings
-        return StallInspector(
-            settings.stall_check_time_s,
-            settings.stall_shutdown_time_s,
-            settings.stall_check_enabled and self.topology.rank == 0,
-        )
-
-    def _make_parking(self, table: MessageTable, stall: StallInspector) -> Parking:
-        """When idle ranks park, and their sleep on the store's doorbell."""
-        return Parking(
-            self.intake,
-            self.settings,
-            self.rank,
-            self.size,
-            self._store,
-            self._keys,
-            self.tracer,
-            table,
-            stall,
-            self._watch,
-            self._failure_seen,
-        )
-
-    def _make_communicators(
-        self,
-        communicator_factory: Callable[[str, int, int], Communicator],
-        device_communicator_factory: Callable[[str, int, int, torch.device], Communicator | None]
-        | None,
-    ) -> Communicators:
-        """Each process set's communicators (made when a set is registered or first used)."""
-        return Communicators(
-            self.rank,
-            self.size,
-            self.topology.local_rank,
+        # Each process set's communicators (made when a set is registered or first used).
+        self._communicators = Communicators(
+            topology,
             self._keys,
             self.process_sets,
             communicator_factory,
             device_communicator_factory,
         )
-
-    def _make_replay(self) -> Replay:
-        """The steady state, on the global set's communicators."""
-        return Replay(
-            self.intake,
-            self.settings,
-            self.rank,
-            self.size,
-            lambda device: self._communicators.for_batch(0, device, None),
-            self._communicators.control,
-            self._store,
-            self._keys,
-            self.tracer,
-            self._failure_seen,
-            self.counters,
+        context = EngineContext(
+            settings=settings,
+            rank=self.rank,
+            size=self.size,
+            store=store,
+            keys=self._keys,
+            intake=self.intake,
+            tracer=self.tracer,
+            counters=self.counters,
+            communicators=self._communicators,
+            finisher=self._finisher,
+            failure_seen=self._failure_seen,
         )
-
-    def _make_cycle(self, table: MessageTable, stall: StallInspector) -> Cycle:
-        """One negotiated cycle, over every part built before it."""
-        return Cycle(
-            self.settings,
-            self.rank,
-            self.size,
-            self.intake,
-            self.tracer,
-            self.counters,
-            self._finisher,
-            self._communicators,
-            self.process_sets,
-            self.replay,
-            self._parking,
-            table,
-            stall,
-        )
+        negotiation = NegotiationState(MessageTable(self.process_sets), self.process_sets, stall)
+        self._parking = Parking(context, negotiation, self._watch)
+        self.replay = Replay(context)
+        self._cycle = Cycle(context, negotiation, self.replay, self._parking)
+        for ranks in process_sets or []:
+            set_id = self.process_sets.reserve_id()
+            self._communicators.register(set_id, ranks)
 
     # ----------------------------------------------------------------- lifecycle
 

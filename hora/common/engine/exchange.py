@@ -15,9 +15,10 @@ from __future__ import annotations
 import struct
 
 from hora.common.engine import carry
+from hora.common.engine.context import EngineContext
 from hora.common.engine.handles import Entry
 from hora.common.engine.negotiation import InlineSlot, ResponseCache
-from hora.common.transport import Communicator, allgather_bytes
+from hora.common.transport import allgather_bytes
 from hora.common.vocabulary.errors import HoraInternalError
 from hora.common.vocabulary.message import CycleMessage, Key, Request
 
@@ -31,25 +32,20 @@ class Exchange:
     """Runs each cycle's exchange for one rank.
 
     Args:
-        rank, size: this rank and the job's size.
+        context: the engine's shared parts (this rank, the job's size, the control
+            communicator the exchange runs on).
         cache: the response cache (bits for requests every rank has seen before).
         carrier: this rank's small allreduces that ride in the exchange.
-        control: the control communicator.
     """
 
     def __init__(
-        self,
-        rank: int,
-        size: int,
-        cache: ResponseCache,
-        carrier: carry.Carrier,
-        control: Communicator,
+        self, context: EngineContext, cache: ResponseCache, carrier: carry.Carrier
     ) -> None:
-        self._rank = rank
-        self._size = size
+        self._rank = context.rank
+        self._size = context.size
+        self._control = context.communicators.control
         self._cache = cache
         self._carrier = carrier
-        self._control = control
         self._inline = InlineSlot()
 
     def run(

@@ -30,10 +30,8 @@ from hora.common.engine.buffers import (
     torch_dtype,
     writing_to_inference,
 )
-from hora.common.engine.counters import Counters
-from hora.common.engine.finisher import Finisher
+from hora.common.engine.context import EngineContext
 from hora.common.engine.handles import Entry, finish
-from hora.common.engine.tracing import Tracer
 from hora.common.transport import FINISHED, Communicator
 from hora.common.vocabulary.message import ReduceOp, RequestType, Response
 
@@ -51,11 +49,10 @@ class Run:
         host_comm: the process set's own communicator, for what runs in host memory whatever
             the tensors' device (Adasum).
         members: the set's global ranks, in order.
-        rank: this process's global rank.
         number: the batch's number (the same collective on every rank).
-        tracer: the timeline, if one is written.
-        finisher: the thread that completes asynchronous collectives.
-        counters: the engine's counters (allreduces count themselves when they complete).
+        context: the engine's shared parts: this process's global rank, the tracer (the
+            timeline, if one is written), the finisher (completes asynchronous collectives),
+            the counters (allreduces count themselves when they complete).
     """
 
     batch: list[Response]
@@ -63,11 +60,8 @@ class Run:
     comm: Communicator
     host_comm: Communicator
     members: tuple[int, ...]
-    rank: int
     number: int
-    tracer: Tracer
-    finisher: Finisher
-    counters: Counters
+    context: EngineContext
 
     @property
     def head(self) -> Response:
@@ -122,7 +116,8 @@ class Allreduce:
         return response.kind == RequestType.ALLREDUCE
 
     def execute(self, run: Run) -> None:
-        tracer = run.tracer
+        context = run.context
+        tracer = context.tracer
         started = tracer.now()
         entries = run.entries
         head = run.head.template()
@@ -146,7 +141,7 @@ class Allreduce:
         work = scale(work, head.prescale)
         tracer.close()
         issued = tracer.now()
-        counters = run.counters
+        counters = context.counters
         issued_s = counters.now()
         on_the_wire = tracer.begin("ALLREDUCE")
         pending = run.comm.allreduce_async(work, work_op)
@@ -171,10 +166,11 @@ class Allreduce:
                 nbytes = flat.numel() * flat.itemsize
                 tracer.collective(entries, "ALLREDUCE", number, times, nbytes, path)
 
-        if pending is FINISHED and not run.finisher.busy:
+        finisher = context.finisher
+        if pending is FINISHED and not finisher.busy:
             complete()  # done already, and nothing earlier is still completing
             return
-        run.finisher.add(pending, complete, [e for e in entries if e is not None])
+        finisher.add(pending, complete, [e for e in entries if e is not None])
 
 
 class AdasumAllreduce:
@@ -193,8 +189,10 @@ class AdasumAllreduce:
         )
 
     def execute(self, run: Run) -> None:
-        run.finisher.drain()
-        tracer = run.tracer
+        context = run.context
+        context.finisher.drain()
+        tracer = context.tracer
+        counters = context.counters
         started = tracer.now()
         head = run.head.template()
         dtype = torch_dtype(head.dtype)
@@ -205,13 +203,13 @@ class AdasumAllreduce:
         work = torch.cat([t.to(device="cpu", dtype=work_dtype) for t in inputs])
         work = scale(work, head.prescale)
         issued = tracer.now()
-        issued_s = run.counters.now()
+        issued_s = counters.now()
         tracer.open("ADASUM")
         adasum.allreduce(work, counts, run.host_comm)
         tracer.close()
         done = tracer.now()
         nbytes = work.numel() * inputs[0].element_size()
-        run.counters.collective(issued_s, run.counters.now(), nbytes, len(counts))
+        counters.collective(issued_s, counters.now(), nbytes, len(counts))
         work = scale(work, head.postscale)
         copy_out_pieces(run.entries, work.to(device=inputs[0].device, dtype=dtype), counts)
         if tracer.timeline is not None:
@@ -290,7 +288,8 @@ class Alltoall:
             return
         requests = run.head.requests[0]
         members = run.members
-        me = members.index(run.rank)
+        rank = run.context.rank
+        me = members.index(rank)
         tensor = entry.tensor
 
         def splits_of(rank: int) -> Sequence[int]:
@@ -299,7 +298,7 @@ class Alltoall:
                 return req.splits
             return [req.shape[0] // len(members)] * len(members)
 
-        send = splits_of(run.rank)
+        send = splits_of(rank)
         receive = [splits_of(r)[me] for r in members]
         rest = tuple(tensor.shape[1:])
         row_bytes = math.prod(rest) * tensor.element_size()
@@ -334,7 +333,7 @@ class Reducescatter:
         count = len(run.members)
         first = tensor.shape[0]
         rows = [first // count + (1 if i < first % count else 0) for i in range(count)]
-        me = run.members.index(run.rank)
+        me = run.members.index(run.context.rank)
         rest = tuple(tensor.shape[1:])
         op = ReduceOp.SUM if request.reduce_op == ReduceOp.AVERAGE else request.reduce_op
         work_dtype, work_op = compute_dtype(tensor.dtype, op)

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from hora.common.engine.context import EngineContext
 from hora.common.engine.negotiation import MessageTable
 from hora.common.engine.stall import StallInspector, ranks_text
 from hora.common.engine.timing import (
@@ -179,25 +180,23 @@ class DeadlockCheck:
     """Every rank records what its blocked threads wait for; rank 0 looks for a deadlock.
 
     Both run while the engine is parked, which is where a deadlock shows: nobody has anything
-    new. Rank 0 declares one when the negotiation table has stood still for ``after_s`` and
-    every rank waits for a call that another rank has not submitted.
+    new. Rank 0 declares one when the negotiation table has stood still for as long as a
+    collective may wait for its peers (``HORA_GLOO_TIMEOUT_SECONDS``) and every rank waits for
+    a call that another rank has not submitted.
+
+    Args:
+        context: the engine's shared parts (the store the records go to, this rank).
+        stall: the stall inspector (whether checks are on; it words the verdict).
     """
 
-    def __init__(
-        self,
-        store: StoreClient,
-        keys: GenerationKeys,
-        rank: int,
-        size: int,
-        stall: StallInspector,
-        after_s: float,
-    ) -> None:
-        self._store = store
-        self._keys = keys
-        self._rank = rank
-        self._size = size
+    def __init__(self, context: EngineContext, stall: StallInspector) -> None:
+        self._store = context.store
+        self._keys = context.keys
+        self._rank = context.rank
+        self._size = context.size
         self._stall = stall
-        self._after_s = after_s
+        # A deadlock is declared no sooner than a collective would time out.
+        self._after_s = context.settings.gloo_timeout_s
         self._recorded = ""
         self._probe = 0.0
 
@@ -213,7 +212,7 @@ class DeadlockCheck:
             logger.debug("rank %d could not record its waits: %s", self._rank, exc)
 
     def check(self, table: MessageTable, awaited: list[Key]) -> str | None:
-        """On rank 0: the shutdown reason when every rank has waited ``after_s`` for calls
+        """On rank 0: the shutdown reason when every rank has waited long for calls
         that other ranks never submitted, with nothing arriving meanwhile."""
         if self._rank != 0 or self._size == 1 or not self._stall.enabled or not table:
             return None

@@ -15,62 +15,40 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from hora.common.engine.context import EngineContext, NegotiationState
 from hora.common.engine.failures import DeadlockCheck
-from hora.common.engine.intake import Intake
-from hora.common.engine.negotiation import MessageTable
-from hora.common.engine.stall import StallInspector
 from hora.common.engine.timing import PARK_AFTER_IDLE_S, WAIT_RECORD_AFTER_S
-from hora.common.engine.tracing import Tracer
-from hora.common.job.store import StoreClient
-from hora.common.job.store_keys import PARKED, GenerationKeys
-from hora.common.vocabulary.config import Settings
+from hora.common.job.store_keys import PARKED
 
 
 class Parking:
     """When this rank parks, and its parked sleep.
 
     Args:
-        intake: the engine's intake (the parked wait, and the doorbell the watcher heard).
-        settings: engine settings.
-        rank, size: this rank and the job's size.
-        store: the job's store (the doorbell), and ``keys`` its generation's keys.
-        tracer: the engine's timeline (flushed before sleeping).
-        table: the negotiation table (stalls and deadlocks are read from it).
-        stall: the stall inspector.
+        context: the engine's shared parts: the intake (the parked wait, and the doorbell the
+            watcher heard), the store (the doorbell), the tracer (flushed before sleeping).
+        negotiation: the table and the stall inspector (stalls and deadlocks are read there).
         watch: tells the watcher thread which round's doorbell to wait on.
-        failure_seen: whether the watcher saw the job fail.
     """
 
     def __init__(
         self,
-        intake: Intake,
-        settings: Settings,
-        rank: int,
-        size: int,
-        store: StoreClient,
-        keys: GenerationKeys,
-        tracer: Tracer,
-        table: MessageTable,
-        stall: StallInspector,
+        context: EngineContext,
+        negotiation: NegotiationState,
         watch: Callable[[int], None],
-        failure_seen: Callable[[], bool],
     ) -> None:
-        self._intake = intake
-        self._rank = rank
-        self._size = size
-        self._store = store
-        self._keys = keys
-        self._tracer = tracer
-        self._table = table
-        self._stall = stall
+        self._context = context
+        self._intake = context.intake
+        self._size = context.size
+        self._table = negotiation.table
+        self._stall = negotiation.stall
         self._watch = watch
-        self._failure_seen = failure_seen
-        self._deadlocks = DeadlockCheck(store, keys, rank, size, stall, settings.gloo_timeout_s)
+        self._deadlocks = DeadlockCheck(context, negotiation.stall)
         # The latest parking round (the same on every rank).
         self.round = 0
         self._idle_cycles = 0
         self._park_after = max(
-            2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(settings.cycle_time_ms, 0.1))
+            2, math.ceil(PARK_AFTER_IDLE_S * 1000 / max(context.settings.cycle_time_ms, 0.1))
         )
 
     def cycle_ended(self, had_news: bool) -> None:
@@ -85,20 +63,25 @@ class Parking:
 
     def park(self) -> None:
         """Sleep until this rank has work, another rank rings, or a check is due."""
+        context = self._context
+        store, keys = context.store, context.keys
         round_ = self.round = self.round + 1
-        wake_key = self._keys.wake(round_)
-        if self._tracer.timeline is not None:
+        wake_key = keys.wake(round_)
+        timeline = context.tracer.timeline
+        if timeline is not None:
             # Idle: what happened so far reaches the file now, for anyone reading it meanwhile.
-            self._tracer.timeline.flush()
-        if self._rank == 0:
+            timeline.flush()
+        if context.rank == 0:
             if round_ > 1:
-                self._store.delete(self._keys.wake(round_ - 1))
+                store.delete(keys.wake(round_ - 1))
             # Whoever reports a failure rings the doorbell named here, to wake parked ranks.
-            self._store.set_signed(PARKED, wake_key.encode())
+            store.set_signed(PARKED, wake_key.encode())
         self._watch(round_)
-        ring = self._intake.wait_parked(round_, self._failure_seen, self._stalled, self._deadlocked)
+        ring = self._intake.wait_parked(
+            round_, context.failure_seen, self._stalled, self._deadlocked
+        )
         if ring:
-            self._store.mark(wake_key)
+            store.mark(wake_key)
         self._idle_cycles = 0
 
     def wake(self) -> None:

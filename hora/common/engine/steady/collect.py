@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 
+from hora.common.engine.context import EngineContext
 from hora.common.engine.handles import Entry
-from hora.common.engine.intake import Intake, Wait
+from hora.common.engine.intake import Wait
 from hora.common.engine.steady.schedule import DEVIATED, FOLLOWING, Schedule, blocked_code
 from hora.common.engine.steady.waits import Waits, name_list
 from hora.common.engine.timing import STALL_PROBE_S, STEADY_BLOCKED_GRACE_S, WATCH_INTERVAL_S
-from hora.common.vocabulary.config import Settings
 from hora.common.vocabulary.message import Key
 
 logger = logging.getLogger("hora")
@@ -32,11 +31,9 @@ class Collector:
     """What this rank holds toward the steady state's current batch.
 
     Args:
-        intake: the engine's intake (its lock guards what submitting threads touch here).
-        settings: engine settings.
-        rank: this rank.
+        context: the engine's shared parts: its intake (whose lock guards what submitting
+            threads touch here), and whether the watcher saw the job fail.
         waits: the steady state's stall records (whether other ranks wait for this one).
-        failure_seen: whether the watcher saw the job fail.
 
     Attributes:
         held: entries taken from the intake's queue and not run yet, by key (the engine
@@ -45,19 +42,13 @@ class Collector:
             as they arrive, under the intake's lock.
     """
 
-    def __init__(
-        self,
-        intake: Intake,
-        settings: Settings,
-        rank: int,
-        waits: Waits,
-        failure_seen: Callable[[], bool],
-    ) -> None:
-        self._intake = intake
-        self._settings = settings
-        self._rank = rank
+    def __init__(self, context: EngineContext, waits: Waits) -> None:
+        self._intake = context.intake
+        self._rank = context.rank
         self._waits = waits
-        self._failure_seen = failure_seen
+        self._failure_seen = context.failure_seen
+        # How long a user may wait on a result whose batch cannot fill before it is cut.
+        self._grace_s = max(STEADY_BLOCKED_GRACE_S, 10 * context.settings.cycle_time_ms / 1000)
         self.held: dict[Key, Entry] = {}
         self.awaiting: set[Key] = set()
         # A user polled a result while a batch was held back (see collect).
@@ -163,7 +154,7 @@ class Collector:
         if not since:
             return WATCH_INTERVAL_S
         waited = now - max(min(since), started)
-        grace = max(STEADY_BLOCKED_GRACE_S, 10 * self._settings.cycle_time_ms / 1000)
+        grace = self._grace_s
         if waited < grace:
             return grace - waited
         first = min(i for i, k in enumerate(needed) if k in self.awaiting)

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.buffers import read_landed
-from hora.common.engine.counters import Counters
+from hora.common.engine.context import EngineContext
 from hora.common.engine.handles import Entry
-from hora.common.engine.intake import Intake
 from hora.common.engine.negotiation import MessageTable
 from hora.common.engine.steady.collect import Collector
 from hora.common.engine.steady.schedule import (
@@ -38,11 +36,7 @@ from hora.common.engine.steady.schedule import (
 from hora.common.engine.steady.staging import allocate, claim, deliver, fill, stage
 from hora.common.engine.steady.waits import Waits
 from hora.common.engine.timing import STEADY_LONE_TENSOR_MAX_BYTES
-from hora.common.engine.tracing import Tracer
-from hora.common.job.store import StoreClient
-from hora.common.job.store_keys import GenerationKeys
-from hora.common.transport import Communicator, Pending, TransportError
-from hora.common.vocabulary.config import Settings
+from hora.common.transport import Pending, TransportError
 from hora.common.vocabulary.message import ReduceOp, Request, Response
 
 logger = logging.getLogger("hora")
@@ -73,16 +67,11 @@ class Replay:
     """The steady state of one engine.
 
     Args:
-        intake: the engine's intake (its lock guards the schedule's shared state).
-        settings: engine settings.
-        rank, size: this rank and the job's size.
-        comm_for: the global set's communicator for a device type (``"cpu"``, ``"cuda"``): a
-            batch runs on the one for its tensors' device, in buffers on its device.
-        control: the control communicator (autotune agrees on its scores there).
-        store: the job's store (stall records), and ``keys`` its generation's keys.
-        tracer: the engine's timeline.
-        failure_seen: whether the watcher saw the job fail.
-        counters: the engine's counters (each landed batch counts there).
+        context: the engine's shared parts: its intake (whose lock guards the schedule's
+            shared state), the global set's communicators (a batch runs on the one for its
+            tensors' device, in buffers on its device; autotune agrees on its scores on the
+            control communicator), the store (stall records), the tracer and the counters
+            (each landed batch counts there).
 
     Attributes:
         schedule: the schedule being replayed, or ``None`` while negotiating.
@@ -92,30 +81,19 @@ class Replay:
             batch buffers allocated besides the schedules' first ones (see ``staging.claim``).
     """
 
-    def __init__(
-        self,
-        intake: Intake,
-        settings: Settings,
-        rank: int,
-        size: int,
-        comm_for: Callable[[str], Communicator],
-        control: Communicator,
-        store: StoreClient,
-        keys: GenerationKeys,
-        tracer: Tracer,
-        failure_seen: Callable[[], bool],
-        counters: Counters,
-    ) -> None:
+    def __init__(self, context: EngineContext) -> None:
+        settings, rank, size = context.settings, context.rank, context.size
+        intake = context.intake
         self._intake = intake
         self._settings = settings
         self.rank = rank
         self.size = size
-        self._comm_for = comm_for
-        self._control = control
-        self._tracer = tracer
-        self._counters = counters
-        self._waits = Waits(settings, rank, store, keys)
-        self._collector = Collector(intake, settings, rank, self._waits, failure_seen)
+        self._comm_for = context.communicators.of_global_set
+        self._control = context.communicators.control
+        self._tracer = context.tracer
+        self._counters = context.counters
+        self._waits = Waits(settings, rank, context.store, context.keys)
+        self._collector = Collector(context, self._waits)
         self.history = History()
         self.schedule: Schedule | None = None
         # The batch whose allreduce runs while the next one fills.
