@@ -15,6 +15,7 @@ import dataclasses
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -283,6 +284,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_where_arguments(parser, defaults)
 
 
+# The counts each job runs with: the flags, the setting they set, its type and what it counts.
+_COUNTS: tuple[tuple[tuple[str, ...], str, Callable[[str], int], str], ...] = (
+    (("--batch-size",), "batch_size", positive, "batch size per worker"),
+    (("--num-iters",), "num_iters", positive, "timed iterations per job"),
+    (("--num-batches-per-iter",), "num_batches_per_iter", positive, "batches per timed iteration"),
+    (
+        ("--warmup", "--num-warmup-batches"),
+        "num_warmup_batches",
+        not_negative,
+        "batches before timing starts",
+    ),
+)
+
+
 def _add_workload_arguments(parser: argparse.ArgumentParser, defaults: StudySettings) -> None:
     """What each job runs: the world sizes, the models, the batches and iterations."""
     parser.add_argument(
@@ -301,36 +316,16 @@ def _add_workload_arguments(parser: argparse.ArgumentParser, defaults: StudySett
         default=list(defaults.models),
         help="models to run, one table section and one plotted line each (default resnet)",
     )
-    parser.add_argument(
-        "--batch-size",
-        type=positive,
-        default=defaults.batch_size,
-        metavar="N",
-        help=f"batch size per worker (default {defaults.batch_size})",
-    )
-    parser.add_argument(
-        "--num-iters",
-        type=positive,
-        default=defaults.num_iters,
-        metavar="N",
-        help=f"timed iterations per job (default {defaults.num_iters})",
-    )
-    parser.add_argument(
-        "--num-batches-per-iter",
-        type=positive,
-        default=defaults.num_batches_per_iter,
-        metavar="N",
-        help=f"batches per timed iteration (default {defaults.num_batches_per_iter})",
-    )
-    parser.add_argument(
-        "--warmup",
-        "--num-warmup-batches",
-        dest="num_warmup_batches",
-        type=not_negative,
-        default=defaults.num_warmup_batches,
-        metavar="N",
-        help=f"batches before timing starts (default {defaults.num_warmup_batches})",
-    )
+    for flags, dest, kind, what in _COUNTS:
+        default = getattr(defaults, dest)
+        parser.add_argument(
+            *flags,
+            dest=dest,
+            type=kind,
+            default=default,
+            metavar="N",
+            help=f"{what} (default {default})",
+        )
 
 
 def _add_where_arguments(parser: argparse.ArgumentParser, defaults: StudySettings) -> None:
