@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-from hora.common import metrics
 from hora.common.vocabulary.message import ReduceOp
 from hora.torch import ops
 from hora.torch.gradient_reduction import (
     TOO_MANY_PASSES,
     UNSUBMITTED,
+    DistributedOptions,
     Pending,
     Reduction,
+    count_step,
     guarded_zero_grad,
     parameter_names,
     set_backward_passes_per_step,
@@ -37,24 +38,18 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
 
     _hora_class: type[torch.optim.Optimizer]
 
-    def __init__(
-        self,
-        params: Any,
-        named_parameters: Any,
-        compression: Any,
-        backward_passes_per_step: int,
-    ) -> None:
+    def __init__(self, params: Any, options: DistributedOptions) -> None:
         super(self._hora_class, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes its defaults
-        self._compression = compression
-        self.backward_passes_per_step = backward_passes_per_step
+        self._compression = options.compression
+        self.backward_passes_per_step = options.backward_passes_per_step
         self._parameter_names = {
             p: f"delta.{name[len('grad.') :]}"
-            for p, name in parameter_names(self.param_groups, named_parameters).items()
+            for p, name in parameter_names(self.param_groups, options.named_parameters).items()
         }
         self._requires_update = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
-        self._delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._handles: dict[torch.Tensor, Pending] = {}
         self._hooks = [
             p.register_post_accumulate_grad_hook(weak_gradient_hook(self))
@@ -109,9 +104,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 p.add_(delta.to(p.dtype))
                 self._delay[p] = self.backward_passes_per_step
         self._handles.clear()
-        publisher = metrics.current()
-        if publisher is not None:
-            publisher.optimizer_stepped()
+        count_step()
         return loss
 
     zero_grad = guarded_zero_grad

@@ -18,9 +18,7 @@ import torch
 
 from hora.common import api, metrics
 from hora.common.ops import engine_facts, submission
-from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
-from hora.common.vocabulary.message import ReduceOp
 from hora.common.vocabulary.timeline_writer import TRAINING_ROW
 from hora.torch import ops
 from hora.torch.gradient_reduction import (
@@ -28,12 +26,14 @@ from hora.torch.gradient_reduction import (
     STEP_AFTER_SYNCHRONIZE,
     TOO_MANY_PASSES,
     UNSUBMITTED,
+    DistributedOptions,
     GroupMember,
     GroupResults,
     Held,
     Pending,
     Reduction,
     SparseReduction,
+    count_step,
     elastic_job,
     global_step_hooks,
     guarded_zero_grad,
@@ -52,26 +52,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # The subclass the factory makes; super(_hora_class, self) is the wrapped optimizer class.
     _hora_class: type[torch.optim.Optimizer]
 
-    def __init__(
-        self,
-        params: Any,
-        named_parameters: Any,
-        compression: Any,
-        backward_passes_per_step: int,
-        op: ReduceOp,
-        gradient_predivide_factor: float,
-        groups: Any,
-        sparse_as_dense: bool,
-        process_set: ProcessSet,
-    ) -> None:
+    def __init__(self, params: Any, options: DistributedOptions) -> None:
         super(self._hora_class, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes its defaults
-        self._compression = compression
-        self._op = op
-        self._predivide = gradient_predivide_factor
-        self._sparse_as_dense = sparse_as_dense
-        self._process_set = process_set
-        self.backward_passes_per_step = backward_passes_per_step
-        self._parameter_names = parameter_names(self.param_groups, named_parameters)
+        self._options = options
+        self.backward_passes_per_step = options.backward_passes_per_step
+        self._parameter_names = parameter_names(self.param_groups, options.named_parameters)
         self._delay: dict[torch.Tensor, int] = {}
         self._handles: dict[torch.Tensor, Pending] = {}
         self._hooks: list[Any] = []
@@ -96,8 +81,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._batch_of: dict[torch.Tensor, int] = {}
         self._batch_sizes: list[int] = []
         self._layout_of: Any = None
-        if process_set.included() and (api.size() > 1 or elastic_job()):
-            self._register_hooks(groups)
+        if options.process_set.included() and (api.size() > 1 or elastic_job()):
+            self._register_hooks(options.groups)
 
     # ------------------------------------------------------------------ setup
 
@@ -110,15 +95,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if len(members) > 1:
                 for p in members:
                     self._group_of[p] = index
-        prescale, postscale = self._scales()
+        options = self._options
         for p in params:
             if p not in self._group_of:
                 self._reducers[p] = submission.RepeatedAllreduce(
                     self._parameter_names[p],
-                    self._op,
-                    prescale,
-                    postscale,
-                    self._process_set,
+                    options.op,
+                    *options.scales,
+                    options.process_set,
                     lend=True,
                 )
             self._hooks.append(p.register_post_accumulate_grad_hook(weak_gradient_hook(self)))
@@ -186,7 +170,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the global one are never in a schedule's batches.
         """
         layout = engine_facts.batch_layout()
-        if layout is None or self._process_set is not ops.global_process_set:
+        if layout is None or self._options.process_set is not ops.global_process_set:
             return []
         if self._layout_of is None or self._layout_of() is not layout:
             # A new schedule (the first, or rebuilt by autotune, or after a deviation): a weak
@@ -229,11 +213,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handles[p] = submit(p, grad)
         batch.clear()
 
-    def _scales(self) -> tuple[float, float]:
-        if self._op == ReduceOp.AVERAGE and self._predivide != 1.0:
-            return 1.0 / self._predivide, self._predivide
-        return 1.0, 1.0
-
     def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
         """``grad`` (default ``p.grad``) made dense; where it is ``p.grad``, ``p.grad`` becomes
         the dense one too, so that the result is written into it (then made sparse again)."""
@@ -253,33 +232,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = p.grad
         assert grad is not None
         sparse = grad.is_sparse
-        if sparse and not self._sparse_as_dense:
+        options = self._options
+        if sparse and not options.sparse_as_dense:
             finish = ops.sparse_allreduce_async(
-                grad, name=self._parameter_names[p], op=self._op, process_set=self._process_set
+                grad, name=self._parameter_names[p], op=options.op, process_set=options.process_set
             )
             return SparseReduction(finish)
         if sparse:
             grad = self._dense_grad(p, grad)
-        compressed, ctx = self._compression.compress(grad)
+        compressed, ctx = options.compression.compress(grad)
         return Reduction(self._reducers[p].submit(compressed), ctx, compressed, sparse)
 
     def _submit_group(self, group: int) -> None:
         members = self._groups[group]
+        options = self._options
         compressed = []
         contexts = []
         for p in members:
             grad = self._dense_grad(p)
-            tensor, ctx = self._compression.compress(grad)
+            tensor, ctx = options.compression.compress(grad)
             compressed.append(tensor)
             contexts.append(ctx)
-        prescale, postscale = self._scales()
+        prescale, postscale = options.scales
         handle = ops.grouped_allreduce_async_(
             compressed,
             name=f"{self._parameter_names[members[0]]}.group{group}",
-            op=self._op,
+            op=options.op,
             prescale_factor=prescale,
             postscale_factor=postscale,
-            process_set=self._process_set,
+            process_set=options.process_set,
         )
         for index, p in enumerate(members):
             self._handles[p] = GroupMember(handle, index, contexts[index], compressed[index])
@@ -313,7 +294,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if timeline is not None:
                 timeline.complete(TRAINING_ROW, "BACKWARD", first, last)
             self._backward_span = (0, 0)
-        if not self._process_set.included() or not self._requires_update:
+        if not self._options.process_set.included() or not self._requires_update:
             return False
         for p in self._requires_update:
             if p.grad is None:
@@ -384,7 +365,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, reduction: Reduction) -> None:
         submitted = reduction.submitted
-        result = self._compression.decompress(output, reduction.compression_ctx)
+        result = self._options.compression.decompress(output, reduction.compression_ctx)
         grad = p.grad
         assert grad is not None
         if (
@@ -424,13 +405,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             result = self._synchronize_and_step_in_parts()
         else:
             result = super(self._hora_class, self).step(closure)  # type: ignore[misc]
-        if timeline is not None:
-            timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
-            # Every finished step reaches the file, even if the process is killed next.
-            timeline.flush()
-        publisher = metrics.current()
-        if publisher is not None:
-            publisher.optimizer_stepped()
+        count_step(timeline, started)
         return result
 
     zero_grad = guarded_zero_grad

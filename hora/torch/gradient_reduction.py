@@ -1,6 +1,7 @@
-"""What both forms of ``DistributedOptimizer`` share: what a parameter's gradient waits for in
-a step (:class:`Pending` and its kinds), the wrapped optimizer's methods they call in parts, the
-names of the parameters' reductions, and Horovod's error texts.
+"""What both forms of ``DistributedOptimizer`` share: the arguments it was called with
+(:class:`DistributedOptions`), what a parameter's gradient waits for in a step (:class:`Pending`
+and its kinds), the wrapped optimizer's methods they call in parts, the names of the
+parameters' reductions, and Horovod's error texts.
 
 This module knows optimizers, parameters and handles; the engine does the rest.
 """
@@ -10,12 +11,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hora.common import metrics
 from hora.common.ops import submission
+from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.errors import HoraInternalError
+from hora.common.vocabulary.message import ReduceOp
+from hora.common.vocabulary.timeline_writer import TRAINING_ROW, Timeline
 from hora.torch import ops
 
 STEP_AFTER_SYNCHRONIZE = (
@@ -31,6 +37,44 @@ ZERO_GRAD_RACE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
 )
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """What ``DistributedOptimizer`` was asked for (checked), as every optimizer class it makes
+    takes it; each reads what applies to it (the Adasum one, no ``op`` or groups).
+
+    Attributes:
+        named_parameters: the user's ``named_parameters``, or ``None``.
+        compression: the compressor class (``Compression.none``, ...).
+        backward_passes_per_step: local passes before a reduction, at the start
+            (``set_backward_passes_per_step`` changes the optimizer's).
+        op: Average, Sum or Adasum.
+        gradient_predivide_factor: with Average, the sum is divided by it before the
+            reduction and multiplied after (see :attr:`scales`).
+        groups: the user's ``groups`` (or the deprecated ``num_groups``).
+        sparse_as_dense: reduce sparse gradients as dense ones.
+        process_set: the ranks that share the optimizer.
+        shard_gradients: ZeRO stage 2 (sharded form only).
+    """
+
+    named_parameters: Any
+    compression: Any
+    backward_passes_per_step: int
+    op: ReduceOp
+    gradient_predivide_factor: float
+    groups: Any
+    sparse_as_dense: bool
+    process_set: ProcessSet
+    shard_gradients: bool = False
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        """The prescale and postscale factors of a gradient's reduction."""
+        factor = self.gradient_predivide_factor
+        if self.op == ReduceOp.AVERAGE and factor != 1.0:
+            return 1.0 / factor, factor
+        return 1.0, 1.0
 
 
 def guarded_zero_grad(self: Any, set_to_none: bool = True) -> None:
@@ -65,6 +109,18 @@ def set_backward_passes_per_step(self: Any, passes: int) -> None:
     self.backward_passes_per_step = passes
     for p in self._delay:
         self._delay[p] = passes
+
+
+def count_step(timeline: Timeline | None = None, started: int = 0) -> None:
+    """A step is done: on ``timeline`` it is an ``OPTIMIZER_STEP`` from ``started`` (written out
+    at once, so that every finished step reaches the file even if the process is killed next),
+    and live metrics count it."""
+    if timeline is not None:
+        timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
+        timeline.flush()
+    publisher = metrics.current()
+    if publisher is not None:
+        publisher.optimizer_stepped()
 
 
 def step_only(

@@ -20,6 +20,7 @@ from hora.torch import ops
 from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from hora.torch.averaging_optimizer import _DistributedOptimizer
 from hora.torch.compression import Compression
+from hora.torch.gradient_reduction import DistributedOptions
 from hora.torch.zero_optimizer import make_sharded
 
 
@@ -88,20 +89,19 @@ def DistributedOptimizer(  # Horovod's name
             groups = num_groups
     if hasattr(optimizer, "_requires_update"):
         raise ValueError("The optimizer is already a DistributedOptimizer.")
+    options = DistributedOptions(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        reduce_op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+        shard_gradients,
+    )
     if shard_optimizer_state or shard_gradients:
-        return make_sharded(
-            shard_optimizer_state,
-            optimizer,
-            named_parameters,
-            compression,
-            backward_passes_per_step,
-            reduce_op,
-            gradient_predivide_factor,
-            groups,
-            sparse_as_dense,
-            process_set,
-            shard_gradients,
-        )
+        return make_sharded(shard_optimizer_state, optimizer, options)
     adasum = reduce_op == ReduceOp.ADASUM and api.size() > 1
     if adasum:
         # Checked here, not at the first step: a job of 3 ranks fails at once.
@@ -111,18 +111,4 @@ def DistributedOptimizer(  # Horovod's name
     # The methods call the wrapped optimizer's as super(cls, self): a subclass of the result
     # (as PyTorch Lightning makes) then still reaches the wrapped class, not itself again.
     cls._hora_class = cls  # type: ignore[attr-defined]
-    if adasum:
-        return cls(  # type: ignore[no-any-return]
-            optimizer.param_groups, named_parameters, compression, backward_passes_per_step
-        )
-    return cls(  # type: ignore[no-any-return]
-        optimizer.param_groups,
-        named_parameters,
-        compression,
-        backward_passes_per_step,
-        reduce_op,
-        gradient_predivide_factor,
-        groups,
-        sparse_as_dense,
-        process_set,
-    )
+    return cls(optimizer.param_groups, options)  # type: ignore[no-any-return]

@@ -41,15 +41,16 @@ from typing import Any
 
 import torch
 
-from hora.common import api, metrics
+from hora.common import api
 from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 from hora.common.vocabulary.message import ReduceOp
-from hora.common.vocabulary.timeline_writer import TRAINING_ROW
 from hora.torch import zero_consolidated_state, zero_state, zero_state_loading
 from hora.torch.gradient_reduction import (
     ZERO_GRAD_RACE,
+    DistributedOptions,
+    count_step,
     elastic_job,
     skip_synchronize,
     weak_gradient_hook,
@@ -144,41 +145,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # Set once the shards are laid out (after torch.optim's constructor has added the groups).
     _sharded_params: ShardedParameters
 
-    def __init__(
-        self,
-        params: Any,
-        named_parameters: Any,
-        compression: Any,
-        backward_passes_per_step: int,
-        op: ReduceOp,
-        gradient_predivide_factor: float,
-        groups: Any,
-        sparse_as_dense: bool,
-        process_set: ProcessSet,
-        shard_gradients: bool,
-    ) -> None:
+    def __init__(self, params: Any, options: DistributedOptions) -> None:
         super().__init__(params)  # type: ignore[call-arg]  # the wrapped class takes its defaults
         # Adagrad makes full-size state in its constructor: each piece gets its own below.
         eager_state = bool(self.state)
         self.state.clear()
-        self.backward_passes_per_step = backward_passes_per_step
+        self.backward_passes_per_step = options.backward_passes_per_step
         self._should_synchronize = True
         # The last consolidated state loaded, until the next step (broadcast_optimizer_state
         # sends it from the root: see zero_state.broadcast_state).
         self.loaded_state: dict[str, Any] | None = None
-        sharded = ShardedParameters(
-            self.param_groups, named_parameters, groups, process_set, f"zero{next(_numbers)}"
-        )
+        sharded = ShardedParameters(self.param_groups, options, f"zero{next(_numbers)}")
         self._requires_update = sharded.trainable  # marks a DistributedOptimizer
-        self._reduce_scatter = GradientReduceScatter(
-            sharded,
-            compression,
-            op,
-            gradient_predivide_factor,
-            sparse_as_dense,
-            shard_gradients,
-            backward_passes_per_step,
-        )
+        self._reduce_scatter = GradientReduceScatter(sharded, options)
         self._reduced = ReducedGradients(sharded)
         self._gather = ParameterGather(sharded)
         self._sharded_step = ShardedStep(
@@ -192,7 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sharded_step.lay_out(self)
         self._sharded_params = sharded
         self._hooks: list[Any] = []
-        if process_set.included() and (sharded.size_now() > 1 or elastic_job()):
+        if options.process_set.included() and (sharded.size_now() > 1 or elastic_job()):
             hook = weak_gradient_hook(self)
             for p in sharded.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
@@ -292,12 +271,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         started = timeline.now() if timeline is not None else 0
         self._sharded_step.step(self)
         self.loaded_state = None
-        if timeline is not None:
-            timeline.complete(TRAINING_ROW, "OPTIMIZER_STEP", started, timeline.now())
-            timeline.flush()
-        publisher = metrics.current()
-        if publisher is not None:
-            publisher.optimizer_stepped()
+        count_step(timeline, started)
         return None
 
     # ------------------------------------------------------------------ overlap
@@ -467,17 +441,7 @@ ShardedOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
 
 def make_sharded(
-    shard_optimizer_state: bool,
-    optimizer: torch.optim.Optimizer,
-    named_parameters: Any,
-    compression: Any,
-    backward_passes_per_step: int,
-    op: ReduceOp,
-    gradient_predivide_factor: float,
-    groups: Any,
-    sparse_as_dense: bool,
-    process_set: ProcessSet,
-    shard_gradients: bool,
+    shard_optimizer_state: bool, optimizer: torch.optim.Optimizer, options: DistributedOptions
 ) -> torch.optim.Optimizer:
     """The sharded ``DistributedOptimizer`` (checks the arguments the factory does not).
 
@@ -489,7 +453,7 @@ def make_sharded(
         raise ValueError(
             "shard_gradients=True (ZeRO stage 2) needs shard_optimizer_state=True as well."
         )
-    if op == ReduceOp.ADASUM:
+    if options.op == ReduceOp.ADASUM:
         raise ValueError(
             "shard_optimizer_state=True does not support op=hvd.Adasum: Adasum combines whole "
             "updates of every rank, and a sharded rank computes the update of its shard only. "
@@ -499,18 +463,7 @@ def make_sharded(
     if any(p.is_sparse for group in optimizer.param_groups for p in group["params"]):
         raise ValueError("shard_optimizer_state=True needs dense parameters.")
     cls = type(optimizer.__class__.__name__, (ShardedOptimizer, optimizer.__class__), {})
-    sharded = cls(
-        optimizer.param_groups,
-        named_parameters,
-        compression,
-        backward_passes_per_step,
-        op,
-        gradient_predivide_factor,
-        groups,
-        sparse_as_dense,
-        process_set,
-        shard_gradients,
-    )
+    sharded = cls(optimizer.param_groups, options)
     if optimizer.state:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from hora.common.ops import submission
-from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.errors import HoraValueError
-from hora.torch.gradient_reduction import parameter_names, split_groups
+from hora.torch.gradient_reduction import DistributedOptions, parameter_names, split_groups
 from hora.torch.zero_layout import Bucket, Layout, Piece, plan_buckets
 
 # The largest bucket of gradients reduce-scattered (and of parameters allgathered) as one tensor.
@@ -43,16 +42,11 @@ class ShardedParameters:
     """
 
     def __init__(
-        self,
-        param_groups: list[dict[str, Any]],
-        named_parameters: Any,
-        groups: Any,
-        process_set: ProcessSet,
-        label: str,
+        self, param_groups: list[dict[str, Any]], options: DistributedOptions, label: str
     ) -> None:
         self.label = label
-        self.process_set = process_set
-        self._names = parameter_names(param_groups, named_parameters)
+        self.process_set = options.process_set
+        self._names = parameter_names(param_groups, options.named_parameters)
         self.all_params = [p for group in param_groups for p in group["params"]]
         self.trainable = [p for p in self.all_params if p.requires_grad]
         self.index = {p: i for i, p in enumerate(self.trainable)}
@@ -61,7 +55,7 @@ class ShardedParameters:
             for p in group["params"]:
                 if p in self.index:
                     self.group_of[self.index[p]] = number
-        self.buckets = self._plan(groups)
+        self.buckets = self._plan(options.groups)
         self.bucket_of = [0] * len(self.trainable)
         for bucket in self.buckets:
             for slot in bucket.slots:

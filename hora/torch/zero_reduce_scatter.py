@@ -20,34 +20,21 @@ from typing import Any
 import torch
 
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
-from hora.common.vocabulary.message import ReduceOp
 from hora.torch import ops
-from hora.torch.gradient_reduction import TOO_MANY_PASSES
+from hora.torch.gradient_reduction import TOO_MANY_PASSES, DistributedOptions
 from hora.torch.zero_parameters import ShardedParameters
 
 
 class GradientReduceScatter:
     """Counts gradients in and reduce-scatters each bucket once all of its gradients are in."""
 
-    def __init__(
-        self,
-        params: ShardedParameters,
-        compression: Any,
-        op: ReduceOp,
-        gradient_predivide_factor: float,
-        sparse_as_dense: bool,
-        shard_gradients: bool,
-        backward_passes_per_step: int,
-    ) -> None:
+    def __init__(self, params: ShardedParameters, options: DistributedOptions) -> None:
         self._params = params
-        self._compression = compression
-        self._op = op
-        self._predivide = gradient_predivide_factor
-        self._sparse_as_dense = sparse_as_dense
-        self._shard_gradients = shard_gradients
+        # Compression, op, scales, sparse_as_dense and shard_gradients (stage 2) are read here.
+        self._options = options
         buckets = len(params.buckets)
         # Per trainable parameter: backward passes still to come before its gradient counts.
-        self._delay = [backward_passes_per_step] * len(params.trainable)
+        self._delay = [options.backward_passes_per_step] * len(params.trainable)
         # Per bucket: gradients in; what its reduction is (a handle and compression context,
         # or the packed gradients themselves when no other rank shares the optimizer).
         self._ready = [0] * buckets
@@ -108,6 +95,7 @@ class GradientReduceScatter:
     def submit(self, number: int) -> None:
         """Pack the bucket's gradients into one flat tensor and reduce-scatter it."""
         params = self._params
+        options = self._options
         bucket = params.buckets[number]
         flats = []
         for slot in bucket.slots:
@@ -116,7 +104,7 @@ class GradientReduceScatter:
             if grad is None:
                 grad = p.grad = torch.zeros_like(p)
             if grad.is_sparse:
-                if not self._sparse_as_dense:
+                if not options.sparse_as_dense:
                     raise HoraValueError(
                         f"sharded DistributedOptimizer: {params.name_of(p)!r} has a "
                         "sparse gradient, which cannot be reduce-scattered. Pass "
@@ -130,20 +118,18 @@ class GradientReduceScatter:
             # caller may zero .grad in place before step()).
             self._pending[number] = flat.clone() if len(flats) == 1 else flat
         else:
-            compressed, ctx = self._compression.compress(flat)
-            prescale, postscale = 1.0, 1.0
-            if self._op == ReduceOp.AVERAGE and self._predivide != 1.0:
-                prescale, postscale = 1.0 / self._predivide, self._predivide
+            compressed, ctx = options.compression.compress(flat)
+            prescale, postscale = options.scales
             handle = ops.reducescatter_async(
                 compressed.contiguous(),
                 name=f"{params.label}.{number}.{params.first_name(number)}",
-                op=self._op,
+                op=options.op,
                 process_set=params.process_set,
                 prescale_factor=prescale,
                 postscale_factor=postscale,
             )
             self._pending[number] = (handle, ctx)
-        if self._shard_gradients:
+        if options.shard_gradients:
             for slot in bucket.slots:
                 params.trainable[slot.index].grad = None
 
@@ -170,7 +156,7 @@ class GradientReduceScatter:
                         f"use DistributedOptimizer without shard_optimizer_state.\n{exc}"
                     ) from exc
                 raise
-            shard = self._compression.decompress(output, ctx)
+            shard = self._options.compression.decompress(output, ctx)
         params = self._params
         for piece in params.layout.pieces[number]:
             tensor = params.pieces[piece.index]
