@@ -1,13 +1,25 @@
-"""Finding a job's processes by a token in their command line, and proving none outlive it.
+"""Finding a job's processes by a token in their command line, and proving none outlive it;
+running a process as another user, to attack a job.
 
 A test puts a unique token (its temporary directory) in the command line of every process it
 starts; :func:`job_processes` finds them, and their watchdogs, so that :func:`survivors` can check
 that each one of those very processes (not a later one with a reused pid) is gone.
+
+The attack tests act as uid ``nobody`` (:data:`NOBODY`), which needs root (:data:`needs_root`):
+:func:`as_nobody` and :func:`run_as_nobody` start a command as that user, with nothing of the
+test's environment, and :func:`nobody_python` finds a Python that user can run.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
 import psutil
+import pytest
 
 WATCHDOG_MARK = "hora-watchdog"
 
@@ -56,3 +68,42 @@ def kill_all(token: str) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+# ---------------------------------------------------------------- another user
+
+# The unprivileged user the attack tests act as.
+NOBODY = 65534
+
+# Acting as another user needs root (CI runs as root).
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+
+# How a process runs as uid nobody: in /, with only PATH set, without root's groups.
+_NOBODY = {
+    "cwd": "/",
+    "env": {"PATH": "/usr/bin:/bin"},
+    "user": NOBODY,
+    "group": NOBODY,
+    "extra_groups": [],
+}
+
+
+def nobody_python() -> str:
+    """The system's python3, which uid nobody can run (this test's own interpreter may lie where
+    nobody cannot read it); skips the test without one."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 for the attacking user")
+    return python
+
+
+def as_nobody(command: Sequence[str], **options: Any) -> subprocess.Popen[str]:
+    """Start ``command`` as uid nobody, its streams as text; ``options`` are Popen's
+    (``stdout=subprocess.PIPE``, ...)."""
+    return subprocess.Popen(command, text=True, **_NOBODY, **options)
+
+
+def run_as_nobody(command: Sequence[str], **options: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` as uid nobody to its end, its streams as text; ``options`` are
+    ``subprocess.run``'s (``check=True``, ``timeout=30``, ...)."""
+    return subprocess.run(command, text=True, **_NOBODY, **options)

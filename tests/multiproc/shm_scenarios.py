@@ -23,8 +23,8 @@ from typing import Any
 
 import hora
 from hora.common.job.shm_names import GRACE_S, SHM_DIR, job_prefix
+from tests import processes
 
-NOBODY = 65534
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_PYTHON = "/usr/bin/python3"
 JOB_TIMEOUT_S = 60.0
@@ -32,16 +32,8 @@ JOB_TIMEOUT_S = 60.0
 
 def as_nobody(code: str, *args: str) -> subprocess.Popen[str]:
     """Start ``code`` as uid nobody (the system Python, the standard library only)."""
-    return subprocess.Popen(
-        [SYSTEM_PYTHON, "-c", code, *args],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return processes.as_nobody(
+        [SYSTEM_PYTHON, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.processes import as_nobody, nobody_python
+
 from .jobs import run_failing_job, run_job
 
 STEPS = 8
@@ -239,8 +241,6 @@ def test_a_bad_metrics_setting_fails_init_with_its_reason(spec: str, fragment: s
     assert "HORA_METRICS" in text and fragment in text, text
 
 
-NOBODY = 65534
-
 HOLD_PORT = r"""
 import socket, sys, time
 sock = socket.socket()
@@ -253,19 +253,9 @@ time.sleep(float(sys.argv[1]))
 
 def _port_held_by_another_user(hold_s: float) -> tuple[int, subprocess.Popen[str]]:
     """A port that uid nobody listens on (any user could take a job's metrics port first)."""
-    python = "/usr/bin/python3"
-    if os.geteuid() != 0 or not os.path.exists(python):
-        pytest.skip("holding a port as another user needs root and a system python3")
-    holder = subprocess.Popen(
-        [python, "-c", HOLD_PORT, str(hold_s)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-    )
+    if os.geteuid() != 0:
+        pytest.skip("holding a port as another user needs root")
+    holder = as_nobody([nobody_python(), "-c", HOLD_PORT, str(hold_s)], stdout=subprocess.PIPE)
     assert holder.stdout is not None
     return int(holder.stdout.readline()), holder
 

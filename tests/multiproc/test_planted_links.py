@@ -22,12 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import NOBODY, needs_root, run_as_nobody
+
 from .jobs import run_job
 
-NOBODY = 65534
 HORARUN = [sys.executable, "-m", "hora.runner.launch"]
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+pytestmark = needs_root
 
 
 @pytest.fixture
@@ -43,16 +44,7 @@ def shared() -> Iterator[Path]:
 
 
 def _as_nobody(commands: str) -> None:
-    subprocess.run(
-        ["/bin/sh", "-c", commands],
-        check=True,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        timeout=30,
-    )
+    run_as_nobody(["/bin/sh", "-c", commands], check=True, timeout=30)
 
 
 def _plant(shared: Path, names: list[str], target: Path) -> None:

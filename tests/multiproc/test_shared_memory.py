@@ -6,7 +6,6 @@ user's alone and nothing is left in /dev/shm, and a /dev/shm without room falls 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,13 +18,13 @@ import torch
 
 from hora.common.transport import shm_segment
 from hora.common.transport.shm_segment import Segment
+from tests.processes import needs_root, nobody_python, run_as_nobody
 
 from .jobs import run_failing_job, run_job
 
 GLOO = {"HORA_SHARED_MEMORY": "0"}
 # Small slots make every collective run in many chunks.
 SMALL_SLOTS = {"HORA_SHM_SLOT_BYTES": str(1 << 16)}
-NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(
     shm_segment.supported() is not None, reason=f"no shared-memory path: {shm_segment.supported()}"
@@ -222,23 +221,14 @@ def test_no_segment_is_left_in_dev_shm_and_a_killed_makers_is_swept() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+@needs_root
 def test_another_user_cannot_open_a_segment() -> None:
     segment = Segment.create("other-user-test", 2, 1 << 16)
     try:
         assert os.stat(segment.path).st_mode & 0o777 == 0o600
-        python = shutil.which("python3", path="/usr/bin:/bin")
-        if python is None:
-            pytest.skip("no system python3 for the other user")
-        done = subprocess.run(
-            [python, "-c", f"open({segment.path!r}, 'r+b')"],
+        done = run_as_nobody(
+            [nobody_python(), "-c", f"open({segment.path!r}, 'r+b')"],
             capture_output=True,
-            text=True,
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin"},
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
             timeout=30,
         )
         assert done.returncode != 0 and "PermissionError" in done.stderr, done.stderr

@@ -26,13 +26,13 @@ import pytest
 from hora.common.job import shm_names
 from hora.common.transport import shm_segment
 from hora.common.transport.shm_segment import Segment, SegmentError, SegmentFile
+from tests.processes import NOBODY, needs_root
 
 ROOT = Path(__file__).resolve().parents[2]
-NOBODY = 65534
 SECRET = "attack-test-secret-0123456789abcdef"
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root"),
+    needs_root,
     pytest.mark.skipif(
         shm_segment.supported() is not None, reason=f"no shared memory: {shm_segment.supported()}"
     ),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,8 +20,7 @@ import pytest
 
 import hora
 from hora.common.job import store_protocol, store_service
-
-NOBODY = 65534
+from tests.processes import as_nobody, needs_root, nobody_python
 
 ATTACKER = r"""
 import json, socket, sys, time
@@ -102,13 +100,11 @@ def _own_descriptors() -> int:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+@needs_root
 def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python = shutil.which("python3", path="/usr/bin:/bin")
-    if python is None:
-        pytest.skip("no system python3 for the attacking user")
+    python = nobody_python()
     # hora.run's store runs in this process: its limits can be shortened here.
     monkeypatch.setattr(store_service, "HANDSHAKE_S", 2.0)
     results: list[Any] = []
@@ -123,16 +119,10 @@ def test_another_user_learns_nothing_and_cannot_exhaust_the_store(
     port = port_file.read_text()
     before = _own_descriptors()
     flood, hold_s = 400, 3.0
-    attacker = subprocess.Popen(
+    attacker = as_nobody(
         [python, "-c", ATTACKER, port, str(flood), str(hold_s)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
     )
     # While the flood is held: this process keeps at most MAX_UNPROVEN of its connections.
     peak = before
@@ -298,15 +288,13 @@ def _flooded_job(control: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+@needs_root
 def test_another_user_flooding_gloo_ports_cannot_change_results(tmp_path: Path) -> None:
     """Gloo accepts every connection to its listening ports; hora cannot refuse them. Stray
     connections with garbage handshakes must at worst fail the job, never change a result."""
     import psutil
 
-    python = shutil.which("python3", path="/usr/bin:/bin")
-    if python is None:
-        pytest.skip("no system python3 for the attacking user")
+    python = nobody_python()
     results: list[Any] = []
     errors: list[BaseException] = []
 
@@ -331,15 +319,8 @@ def test_another_user_flooding_gloo_ports_cannot_change_results(tmp_path: Path) 
         }
     )
     assert ports, "the workers listen on no TCP port"
-    attacker = subprocess.Popen(
-        [python, "-c", GLOO_FLOOD, ",".join(map(str, ports)), "50", "4"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
+    attacker = as_nobody(
+        [python, "-c", GLOO_FLOOD, ",".join(map(str, ports)), "50", "4"], stdout=subprocess.PIPE
     )
     assert attacker.stdout is not None
     flood = json.loads(attacker.stdout.readline())
@@ -399,7 +380,7 @@ def _store_flooded_job() -> list[float]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+@needs_root
 @pytest.mark.parametrize("np", [2, 3])
 def test_another_user_flooding_the_store_as_workers_connect_never_fails_the_job(
     monkeypatch: pytest.MonkeyPatch, np: int
@@ -408,23 +389,14 @@ def test_another_user_flooding_the_store_as_workers_connect_never_fails_the_job(
     workers' own connections to the store: the workers wait their turn and the job succeeds."""
     from hora.runner import store_server
 
-    python = shutil.which("python3", path="/usr/bin:/bin")
-    if python is None:
-        pytest.skip("no system python3 for the attacking user")
+    python = nobody_python()
     floods: list[subprocess.Popen[str]] = []
     original = store_server.start_store_server
 
     def start_and_flood(bind: str, port: int, secret: str) -> Any:
         server, bound = original(bind, port, secret)
-        attacker = subprocess.Popen(
-            [python, "-c", STORE_FLOOD, str(bound), "300", "10"],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin"},
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
+        attacker = as_nobody(
+            [python, "-c", STORE_FLOOD, str(bound), "300", "10"], stdout=subprocess.PIPE
         )
         floods.append(attacker)
         assert attacker.stdout is not None
