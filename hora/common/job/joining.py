@@ -30,7 +30,7 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from hora.common.job import port_file, store_keys
 from hora.common.job.launchers import StorePlan, import_mpi
@@ -47,9 +47,13 @@ from hora.common.job.store import (
 )
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, TopologyError
-from hora.common.runtime import runtime
+from hora.common.runtime import HostedStore, runtime
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.config import gloo_interface, raw, read
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from mpi4py import MPI
 
 logger = logging.getLogger("hora")
 
@@ -64,7 +68,7 @@ LINGER_S = 10.0
 # ---------------------------------------------------------------- mpi4py
 
 
-def _mpi_world(topology: Topology, comm: Any = None) -> Any:
+def _mpi_world(topology: Topology, comm: MPI.Intracomm | None = None) -> MPI.Intracomm:
     """MPI_COMM_WORLD, checked against the launcher's variables; or ``comm``, the communicator
     the user made the job of (``hvd.init(comm=...)``)."""
     mpi = import_mpi()
@@ -72,7 +76,7 @@ def _mpi_world(topology: Topology, comm: Any = None) -> Any:
         mpi.Init_thread(mpi.THREAD_MULTIPLE)
     if comm is not None:
         return comm
-    world = mpi.COMM_WORLD
+    world: MPI.Intracomm = mpi.COMM_WORLD
     if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
         raise TopologyError(
             f"{topology.source} says this is rank {topology.rank} of {topology.size}, but "
@@ -170,11 +174,56 @@ def _host_store(topology: Topology, addr: str, port: int, secret: str) -> tuple[
     return bound_port, secret
 
 
+def keep_hosted(name: str, server: HostedStore) -> None:
+    """Keep ``server``, a job's store this process serves, under ``name`` until
+    :func:`release_hosted` (the process's runtime holds it: a Ray worker hosts its job's store
+    between the Ray driver's calls)."""
+    hosted = runtime().hosted_stores
+    with hosted.lock:
+        hosted.named[name] = server
+
+
+def release_hosted(name: str) -> HostedStore | None:
+    """The store kept under ``name``, no longer kept (``None``: none, or it was released
+    already); closing it is the caller's."""
+    hosted = runtime().hosted_stores
+    with hosted.lock:
+        return hosted.named.pop(name, None)
+
+
+def receiving_key() -> X25519PrivateKey:
+    """This process's X25519 private key, which a job secret sealed to it is opened with (made
+    at first use; the process's runtime keeps it)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    hosted = runtime().hosted_stores
+    with hosted.lock:
+        if hosted.receiving_key is None:
+            hosted.receiving_key = X25519PrivateKey.generate()
+        return hosted.receiving_key
+
+
 # ---------------------------------------------------------------- torchrun rounds
 
 
+class _AgentStore(Protocol):
+    """What the round agreement uses of torchrun's agent store (a ``torch.distributed.Store``)."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Write ``value`` under ``key``."""
+
+    def get(self, key: str) -> bytes:
+        """The value under ``key`` (waits for it)."""
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` is there."""
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Wait until every one of ``keys`` is there (``RuntimeError`` after ``timeout``)."""
+
+
 def _agree_round(
-    store: Any, prefix: str, secret: str, rank: int, size: int, timeout_s: float
+    store: _AgentStore, prefix: str, secret: str, rank: int, size: int, timeout_s: float
 ) -> str:
     """A token that every rank of this round of a torchrun job agrees on.
 
@@ -193,7 +242,7 @@ def _agree_round(
 
 
 def _agree_round_checked(
-    store: Any, prefix: str, secret: str, rank: int, size: int, timeout_s: float
+    store: _AgentStore, prefix: str, secret: str, rank: int, size: int, timeout_s: float
 ) -> str:
     deadline = time.monotonic() + timeout_s
     if rank == 0:
@@ -290,7 +339,10 @@ def _exchange(store: StoreClient, topology: Topology, generation: int) -> Topolo
 
 
 def join(
-    topology: Topology, timeout_s: float, generation: int = 0, mpi_comm: Any = None
+    topology: Topology,
+    timeout_s: float,
+    generation: int = 0,
+    mpi_comm: MPI.Intracomm | None = None,
 ) -> tuple[Topology, StoreClient]:
     """Connect to the job's store (starting it first where this process hosts it).
 
@@ -391,7 +443,7 @@ def _published_port(topology: Topology, path: Path, secret: str, timeout_s: floa
 
 
 def _secret_and_store(
-    topology: Topology, plan: StorePlan, mpi_comm: Any = None
+    topology: Topology, plan: StorePlan, mpi_comm: MPI.Intracomm | None = None
 ) -> tuple[str, int, str, bool]:
     """The store's address and port, the job secret, and whether the secret is secret.
 
@@ -427,7 +479,7 @@ def _no_secret(topology: Topology) -> str:
 
 
 def _exchange_over_mpi(
-    topology: Topology, plan: StorePlan, mpi_comm: Any = None
+    topology: Topology, plan: StorePlan, mpi_comm: MPI.Intracomm | None = None
 ) -> tuple[str, int, str]:
     world = _mpi_world(topology, mpi_comm)
     offer: tuple[str, str, int, str] | None = None
@@ -458,23 +510,22 @@ def detach(store: StoreClient, rank: int, generation: int) -> None:
 def _linger_at_exit(store: StoreClient, topology: Topology, generation: int) -> None:
     """At exit, keep this process (and the store it hosts) until the other ranks detached."""
     linger = runtime().hosted_stores.linger
-    linger["generation"] = generation
-    linger["store"] = store.reconnect()
-    linger["size"] = topology.size
-    linger["rank"] = topology.rank
-    if not linger.get("registered"):
+    linger.generation = generation
+    linger.store = store.reconnect()
+    linger.size = topology.size
+    linger.rank = topology.rank
+    if not linger.registered:
         atexit.register(_wait_for_detach)
-        linger["registered"] = True
+        linger.registered = True
 
 
 def _wait_for_detach() -> None:
     linger = runtime().hosted_stores.linger
-    store: StoreClient | None = linger.get("store")
+    store = linger.store
     if store is None:
         return
-    generation = linger.get("generation", 0)
-    others = [r for r in range(linger["size"]) if r != linger["rank"]]
-    names = [GenerationKeys(generation).detached(r) for r in others]
+    others = [r for r in range(linger.size) if r != linger.rank]
+    names = [GenerationKeys(linger.generation).detached(r) for r in others]
     try:
         store.store.wait([store.key(n) for n in names], timedelta(seconds=LINGER_S))
     except Exception:  # a rank that died never detaches; stop waiting
@@ -484,6 +535,6 @@ def _wait_for_detach() -> None:
         # A forged detach mark would let this process (and the store) go while ranks need it.
         store.all_marked(names)
     except AuthenticationError as exc:
-        logger.error("%s", tampering(exc, linger["rank"]))
+        logger.error("%s", tampering(exc, linger.rank))
     except Exception:  # the store is going away: nothing left to protect
         pass

@@ -35,7 +35,7 @@ from hora.common.metrics.sinks import (
     SinkUnavailable,
     TensorBoardSink,
 )
-from hora.common.runtime import runtime
+from hora.common.runtime import EngineFacts, StepPublisher, runtime
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.config import SettingError, read
 
@@ -219,10 +219,9 @@ class _Context:
 # numbers go on across stop/start and elastic rounds).
 
 
-def current() -> Publisher | None:
+def current() -> StepPublisher | None:
     """The running publisher, or ``None``: DistributedOptimizer's hooks ask for every gradient."""
-    publisher: Publisher | None = runtime().metrics.publisher
-    return publisher
+    return runtime().metrics.publisher
 
 
 def start(
@@ -296,7 +295,7 @@ def log_step(
 
 
 def _open(
-    context: _Context,
+    context: EngineFacts,
     specs: list[SinkSpec],
     ranks: frozenset[int] | None,
     address: str,
@@ -319,7 +318,7 @@ def _open(
     state.publisher = Publisher(context.counters, context.rank, sinks, state.steps_done)
 
 
-def _open_sink(spec: SinkSpec, context: _Context, address: str, required: bool) -> Sink | None:
+def _open_sink(spec: SinkSpec, context: EngineFacts, address: str, required: bool) -> Sink | None:
     """One sink; ``None`` when it cannot open here and is not required (the rank says why)."""
     try:
         if spec.kind == "tensorboard":
