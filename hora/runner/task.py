@@ -78,7 +78,7 @@ def _run_elastic() -> int:
     except WorkerRemoved as removed:
         print(removed.message, file=sys.stderr, flush=True)
         return 0
-    plan = progress.plan
+    plan = progress().plan
     # The round and rank this worker last trained in; none when the function never called
     # hvd.init() (the launcher then matches the worker id against the final round).
     round_number = -1 if plan is None else plan.number

@@ -111,7 +111,7 @@ def main() -> None:
     kill = os.environ.get("ELASTIC_KILL", "")
     delay = float(os.environ.get("ELASTIC_STEP_DELAY", "0"))
     me = os.environ.get(protocol.WORKER_ID_VAR, "")
-    first_round = protocol.progress.plan.number if protocol.progress.plan else 0
+    first_round = protocol.progress().plan.number if protocol.progress().plan else 0
 
     def commit() -> None:
         state.commit()
@@ -121,7 +121,9 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
-        _event(f"resumed round={protocol.progress.plan.number if protocol.progress.plan else 0}")
+        _event(
+            f"resumed round={protocol.progress().plan.number if protocol.progress().plan else 0}"
+        )
         while state.epoch < EPOCHS:
             mine = list(iter(state.sampler))
             longest = hvd.allreduce(torch.tensor([float(len(mine))]), op=hvd.Max, name="longest")
@@ -129,7 +131,7 @@ def main() -> None:
             for step in range(steps):
                 if kill:
                     who, epoch, batch = kill.split(",")
-                    current = protocol.progress.plan.number if protocol.progress.plan else 0
+                    current = protocol.progress().plan.number if protocol.progress().plan else 0
                     if (
                         who == me
                         and current == first_round
@@ -169,7 +171,7 @@ def main() -> None:
             "bias": net.bias.detach().tolist(),
             "size": hvd.size(),
             "path": basics.data_path(),
-            "round": protocol.progress.plan.number if protocol.progress.plan else 0,
+            "round": protocol.progress().plan.number if protocol.progress().plan else 0,
         }
         with open(os.environ["ELASTIC_RESULT"], "w") as f:
             json.dump(result, f)

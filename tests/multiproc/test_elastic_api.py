@@ -266,9 +266,9 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
-    from hora.common.elastic import loop as elastic_loop
-    from hora.common.elastic import state as elastic_state
+    from hora.common.elastic.job import DriverJob
     from hora.common.job import rounds as common_elastic
+    from hora.common.runtime import runtime
 
     rank = hvd.rank()
     data = torch.linspace(-2.0, 2.0, SAMPLES * 4).reshape(SAMPLES, 4)
@@ -280,31 +280,34 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
     sampler = hvd.elastic.ElasticSampler(range(SAMPLES), seed=4, pad=False)
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
     events: list[str] = []
-    checks = [0]
 
-    if interrupt:
-        # A simulated elastic job: rounds, the host-change notice and the reset are stand-ins.
-        os.environ["HORA_ELASTIC"] = "1"
-        common_elastic.progress.plan = common_elastic.RoundPlan(number=0, updates=0)
+    class SimulatedJob(DriverJob):
+        """A simulated elastic job: rounds, the host-change notice and the reset are stand-ins
+        (the reset re-forms the static job in place)."""
 
-        def read_notice() -> tuple[int, int]:
-            checks[0] += 1  # rank 0 only; notice 1 appears at its 7th check
-            return (1, common_elastic.HOSTS_ADDED) if checks[0] >= 7 else (0, 0)
+        def __init__(self) -> None:
+            self.plan = common_elastic.RoundPlan(number=0, updates=0)
+            self.checks = 0
 
-        real_reset = elastic_loop._reset
+        def current_round(self) -> common_elastic.RoundPlan:
+            return self.plan
 
-        def reset() -> None:  # run()'s reset: hvd.shutdown(); hvd.init()
+        def host_update(self) -> tuple[int, int]:
+            self.checks += 1  # rank 0 only; notice 1 appears at its 7th check
+            return (1, common_elastic.HOSTS_ADDED) if self.checks >= 7 else (0, 0)
+
+        def request_reset(self) -> None:
+            events.append("request_reset")
+
+        def rejoin(self) -> None:  # run()'s reset: hvd.shutdown(); hvd.init()
             events.append("reset")
             # A new session numbers unnamed collectives from scratch on every rank, as a
             # newcomer (rank 2 below, the first time) does in a new process.
             del os.environ["HORA_ELASTIC"]  # re-form the static job in place
-            real_reset()
+            super().rejoin()
             os.environ["HORA_ELASTIC"] = "1"
             # The next round accounts for the notices seen so far (the same on every rank).
-            plan = common_elastic.progress.plan
-            common_elastic.progress.plan = common_elastic.RoundPlan(
-                plan.number + 1, state._updates_seen
-            )
+            self.plan = common_elastic.RoundPlan(self.plan.number + 1, state._updates_seen)
             if rank == 2 and events.count("reset") == 1:
                 # The newcomer's state: fresh weights, no optimizer state, a sampler at the
                 # start of epoch 0 (its constructor's save included).
@@ -316,9 +319,10 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
                 state.epoch, state.batch = 0, 0
                 state.save()
 
-        elastic_state._read_host_update = read_notice
-        elastic_loop._reset = reset
-        common_elastic.request_reset = lambda: events.append("request_reset")
+    before = runtime().elastic_job
+    if interrupt:
+        os.environ["HORA_ELASTIC"] = "1"
+        runtime().elastic_job = SimulatedJob()
 
     failed = [False]
 
@@ -355,8 +359,7 @@ def _simulated_training(interrupt: bool) -> dict[str, Any]:
     train(state)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     os.environ.pop("HORA_ELASTIC", None)
-    if interrupt:
-        elastic_loop._reset = real_reset
+    runtime().elastic_job = before
     return {"events": events, "weights": weights, "resets": hvd.elastic.reset_count()}
 
 

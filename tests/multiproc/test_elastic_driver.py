@@ -36,7 +36,7 @@ from hora.common.job import rounds as elastic
 hvd.init()
 me = os.environ["HORA_ELASTIC_ID"]
 while True:
-    number = elastic.progress.plan.number
+    number = elastic.progress().plan.number
     if me == os.environ.get("FAIL_ID") and number == 0:
         print(f"{me} fails on purpose", file=sys.stderr)
         sys.exit(1)
@@ -66,7 +66,7 @@ hvd.init()
 store = elastic.base_store()
 seen, steps = None, 0
 while True:
-    plan = elastic.progress.plan
+    plan = elastic.progress().plan
     if plan.number != seen:
         seen, steps = plan.number, 0
     try:
@@ -110,7 +110,7 @@ me = os.environ["HORA_ELASTIC_ID"]
 
 
 def die_inside_init():
-    while rounds.progress.plan is None:
+    while rounds.progress().plan is None:
         time.sleep(0.0005)
     time.sleep(float(os.environ["KILL_DELAY_S"]))
     with open(os.environ["KILL_MARK"], "w") as mark:

@@ -81,7 +81,7 @@ from hora.common.job import rounds as elastic
 hvd.init()
 me = os.environ["HORA_ELASTIC_ID"]
 while True:
-    number = elastic.progress.plan.number
+    number = elastic.progress().plan.number
     if me == os.environ.get("FAIL_ID") and number == 0:
         sys.exit(1)
     try:

@@ -48,7 +48,7 @@ def model() -> torch.nn.Module:
 
 
 def _round() -> int:
-    return protocol.progress.plan.number if protocol.progress.plan else 0
+    return protocol.progress().plan.number if protocol.progress().plan else 0
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ def main() -> None:
     )
     kill = os.environ.get("ELASTIC_KILL", "")
     me = os.environ.get(protocol.WORKER_ID_VAR, "")
-    first_round = protocol.progress.plan.number if protocol.progress.plan else 0
+    first_round = protocol.progress().plan.number if protocol.progress().plan else 0
 
     @tf.function(reduce_retracing=True)
     def step(xb: Any, yb: Any) -> None:
@@ -70,7 +70,7 @@ def main() -> None:
         if not kill:
             return
         who, epoch, batch = kill.split(",")
-        current = protocol.progress.plan.number if protocol.progress.plan else 0
+        current = protocol.progress().plan.number if protocol.progress().plan else 0
         if (
             who == me
             and current == first_round
@@ -112,7 +112,7 @@ def main() -> None:
             "weight": kernel.reshape(-1).tolist(),
             "bias": bias.tolist(),
             "size": hvd.size(),
-            "round": protocol.progress.plan.number if protocol.progress.plan else 0,
+            "round": protocol.progress().plan.number if protocol.progress().plan else 0,
         }
         with open(os.environ["ELASTIC_RESULT"], "w") as f:
             json.dump(result, f)

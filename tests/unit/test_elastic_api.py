@@ -2,27 +2,64 @@
 ``ElasticSampler``'s arithmetic, and the ``run`` loop with the elastic job simulated.
 
 Tests that need collectives start a job of one in this process (``hvd.init()`` with
-``HORA_LAUNCHER=none``); the elastic ones patch ``hora.common.job.rounds.active`` and the reset,
-so the loop's decisions are checked without a driver (end-to-end runs live elsewhere).
+``HORA_LAUNCHER=none``); the elastic ones put a simulated job in the runtime
+(``Runtime.elastic_job``: rounds, host-change notices, resets), so the loop's decisions are
+checked without a driver (end-to-end runs live elsewhere).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import hora.torch as hvd
-from hora.common.elastic import loop as elastic_loop
-from hora.common.elastic import state as elastic_state
 from hora.common.job import rounds as common_elastic
 from hora.common.runtime import runtime
 from hora.common.vocabulary import errors
 
 ElasticSampler = hvd.elastic.ElasticSampler
+
+
+class SimulatedJob:
+    """An elastic job without a driver (an ``ElasticJob``): its round, its host-change notice
+    and what a reset does are the test's."""
+
+    def __init__(self, log: list[str] | None = None) -> None:
+        self.log = log if log is not None else []
+        self.plan: common_elastic.RoundPlan | None = None
+        self.notice = (0, 0)
+        self.reads = 0
+        # What rejoin() does after logging "reset" (raises, or nothing).
+        self.on_rejoin: Callable[[], None] = lambda: None
+
+    def active(self) -> bool:
+        return True
+
+    def current_round(self) -> common_elastic.RoundPlan | None:
+        return self.plan
+
+    def host_update(self) -> tuple[int, int]:
+        self.reads += 1
+        return self.notice
+
+    def request_reset(self) -> None:
+        self.log.append("request_reset")
+
+    def rejoin(self) -> None:
+        self.log.append("reset")
+        self.on_rejoin()
+
+
+@pytest.fixture
+def simulated(monkeypatch: pytest.MonkeyPatch) -> SimulatedJob:
+    """The process's elastic job is a simulated one for this test."""
+    job = SimulatedJob()
+    monkeypatch.setattr(runtime(), "elastic_job", job)
+    return job
 
 
 @pytest.fixture
@@ -290,57 +327,43 @@ def test_torch_state_reset_reshards_its_samplers(job_of_one: None) -> None:
 # ---------------------------------------------------------------- check_host_updates
 
 
-def _elastic_round(monkeypatch: pytest.MonkeyPatch, number: int, updates: int) -> None:
-    monkeypatch.setattr(common_elastic, "active", lambda: True)
-    monkeypatch.setattr(
-        common_elastic.progress, "plan", common_elastic.RoundPlan(number=number, updates=updates)
-    )
-
-
 @pytest.mark.timeout(30)
 def test_check_host_updates_raises_once_per_newer_notice(
-    job_of_one: None, monkeypatch: pytest.MonkeyPatch
+    job_of_one: None, simulated: SimulatedJob
 ) -> None:
-    notice = [(0, 0)]
-    monkeypatch.setattr(elastic_state, "_read_host_update", lambda: notice[0])
-    _elastic_round(monkeypatch, number=0, updates=0)
+    simulated.plan = common_elastic.RoundPlan(number=0, updates=0)
     state = hvd.elastic.ObjectState(batch=0)
 
     state.check_host_updates()  # no notice
-    notice[0] = (1, common_elastic.HOSTS_ADDED)
+    simulated.notice = (1, common_elastic.HOSTS_ADDED)
     with pytest.raises(hvd.elastic.HostsUpdatedInterrupt) as info:
         state.commit()
     assert info.value.skip_sync is False
     state.check_host_updates()  # the same notice again: already handled
 
-    notice[0] = (2, common_elastic.HOSTS_REMOVED)
+    simulated.notice = (2, common_elastic.HOSTS_REMOVED)
     with pytest.raises(hvd.elastic.HostsUpdatedInterrupt) as info:
         state.check_host_updates()
     assert info.value.skip_sync is True
 
     # The next round already reflects notice 2: nothing to do. One that reflects only notice 1
     # leaves notice 2 pending.
-    _elastic_round(monkeypatch, number=1, updates=2)
+    simulated.plan = common_elastic.RoundPlan(number=1, updates=2)
     state.check_host_updates()
-    _elastic_round(monkeypatch, number=2, updates=1)
+    simulated.plan = common_elastic.RoundPlan(number=2, updates=1)
     with pytest.raises(hvd.elastic.HostsUpdatedInterrupt):
         state.check_host_updates()
+    assert simulated.reads == 6  # rank 0 reads the notice at every check
 
 
 @pytest.mark.timeout(30)
-def test_only_rank_0_reads_the_notice(job_of_one: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    reads: list[int] = []
-
-    def read() -> tuple[int, int]:
-        reads.append(1)
-        return 5, common_elastic.HOSTS_ADDED
-
-    monkeypatch.setattr(elastic_state, "_read_host_update", read)
-    _elastic_round(monkeypatch, number=0, updates=0)
+def test_only_rank_0_reads_the_notice(job_of_one: None, simulated: SimulatedJob) -> None:
+    simulated.plan = common_elastic.RoundPlan(number=0, updates=0)
+    simulated.notice = (5, common_elastic.HOSTS_ADDED)
     # A state that believes it is rank 1 contributes zeros (in a real job rank 0's values win).
     state = hvd.elastic.ObjectState(get_rank=lambda: 1, batch=0)
     state.check_host_updates()
-    assert reads == []
+    assert simulated.reads == 0
 
 
 # ---------------------------------------------------------------- run
@@ -396,12 +419,9 @@ def test_run_outside_an_elastic_job_syncs_once_calls_once_and_lets_errors_throug
 
 @pytest.mark.timeout(30)
 def test_run_in_an_elastic_job_restores_on_failure_and_always_syncs_after_a_reset(
-    monkeypatch: pytest.MonkeyPatch,
+    simulated: SimulatedJob,
 ) -> None:
-    log: list[str] = []
-    monkeypatch.setattr(common_elastic, "active", lambda: True)
-    monkeypatch.setattr(elastic_loop, "_reset", lambda: log.append("reset"))
-    monkeypatch.setattr(common_elastic, "request_reset", lambda: log.append("request_reset"))
+    log = simulated.log
     state = _Recorder(log, epoch=0)
     before = hvd.elastic.reset_count()
     outcomes: list[BaseException | None] = [
@@ -439,9 +459,9 @@ def test_run_in_an_elastic_job_restores_on_failure_and_always_syncs_after_a_rese
 
 @pytest.mark.timeout(30)
 def test_run_retries_a_reset_that_fails_and_lets_worker_removed_exit(
-    monkeypatch: pytest.MonkeyPatch,
+    simulated: SimulatedJob,
 ) -> None:
-    log: list[str] = []
+    log = simulated.log
     resets: list[BaseException | None] = [
         hvd.HorovodInternalError("a worker of the new round was lost"),
         None,
@@ -449,14 +469,11 @@ def test_run_retries_a_reset_that_fails_and_lets_worker_removed_exit(
     ]
 
     def reset() -> None:
-        log.append("reset")
         outcome = resets.pop(0)
         if outcome is not None:
             raise outcome
 
-    monkeypatch.setattr(common_elastic, "active", lambda: True)
-    monkeypatch.setattr(elastic_loop, "_reset", reset)
-    monkeypatch.setattr(common_elastic, "request_reset", lambda: log.append("request_reset"))
+    simulated.on_rejoin = reset
     state = _Recorder(log, epoch=0)
 
     @hvd.elastic.run
@@ -490,7 +507,7 @@ def test_run_warns_about_collectives_before_the_first_elastic_function(
 ) -> None:
     monkeypatch.setattr(runtime(), "elastic_entered", False)
     hvd.allreduce(torch.ones(1), name="too.early")
-    monkeypatch.setattr(common_elastic, "active", lambda: True)
+    monkeypatch.setattr(runtime(), "elastic_job", SimulatedJob())
     hora_logger = logging.getLogger("hora")
     hora_logger.addHandler(caplog.handler)  # hora's logger does not propagate
     try:

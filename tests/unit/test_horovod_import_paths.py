@@ -147,11 +147,20 @@ def test_run_fn_in_an_elastic_round_rejoins_with_the_callers_reset(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hora.common.elastic import run_fn
-    from hora.common.job import rounds
+    from hora.common.elastic.job import DriverJob
     from hora.common.runtime import runtime
 
+    class Simulated(DriverJob):
+        """An elastic job without a driver, whose own way to the next round is not taken."""
+
+        def active(self) -> bool:
+            return True
+
+        def rejoin(self) -> None:
+            raise AssertionError("run_fn rejoins with the caller's reset")
+
     # A simulated elastic worker, first in its job: no driver, no collectives before.
-    monkeypatch.setattr(rounds, "active", lambda: True)
+    monkeypatch.setattr(runtime(), "elastic_job", Simulated())
     monkeypatch.setattr(runtime(), "elastic_entered", True)
     monkeypatch.setattr(runtime(), "elastic_resets", 0)
     recording = _ElasticRecordingState()

@@ -26,7 +26,7 @@ import stat
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -52,6 +52,25 @@ _WHAT_TO_DO_DAMAGED = (
 
 class DurableCommitError(RuntimeError):
     """A durable commit could not be written or read; the message says which file and why."""
+
+
+class CommitRecord(TypedDict):
+    """What a durable commit's file holds (:func:`make_record` makes one).
+
+    Attributes:
+        format: ``"hora.elastic.commit"``.
+        version: the format's version (1).
+        commit: how many commits the job had made.
+        handlers: each model's, optimizer's and sampler's snapshot (a ``state_dict``), by
+            attribute name.
+        values: the plain attributes, such as ``epoch`` and ``batch``.
+    """
+
+    format: str
+    version: int
+    commit: int
+    handlers: dict[str, Any]
+    values: dict[str, Any]
 
 
 def _check_owned(path: Path, st: os.stat_result, what: str) -> None:
@@ -112,7 +131,7 @@ class CommitDirectory:
             )
         _check_owned(self.path, st, "directory")
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: CommitRecord) -> None:
         """Replace the commit with ``record``, atomically and durably.
 
         Raises:
@@ -134,7 +153,7 @@ class CommitDirectory:
         except OSError as exc:
             raise self._write_error(exc) from exc
 
-    def _write_temp(self, record: dict[str, Any]) -> str:
+    def _write_temp(self, record: CommitRecord) -> str:
         """``record`` in a new temporary file of the directory, flushed and fsynced."""
         fd, temp = tempfile.mkstemp(dir=self.path, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
         try:
@@ -169,7 +188,7 @@ class CommitDirectory:
             "writable and has free space."
         )
 
-    def read(self) -> dict[str, Any] | None:
+    def read(self) -> CommitRecord | None:
         """The commit's record, or ``None`` when the directory holds none.
 
         Raises:
@@ -196,7 +215,7 @@ class CommitDirectory:
         if bad is not None:
             raise self._damaged(f"its entry {bad!r} fails its checksum")
 
-    def _load(self) -> dict[str, Any]:
+    def _load(self) -> CommitRecord:
         try:
             try:
                 loaded = torch.load(self.file, map_location="cpu", weights_only=True)
@@ -210,9 +229,10 @@ class CommitDirectory:
             raise self._damaged(f"loading it failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(loaded, dict):
             raise self._damaged(f"it holds a {type(loaded).__name__}, not a hora commit")
-        return loaded
+        # Its fields are checked before they are used: the format here, the tables by the state.
+        return cast(CommitRecord, loaded)
 
-    def _check_format(self, record: dict[str, Any]) -> None:
+    def _check_format(self, record: CommitRecord) -> None:
         if record.get("format") != FORMAT:
             raise self._damaged("it is not a hora elastic commit (no 'format' field of hora's)")
         version = record.get("version")
@@ -240,7 +260,9 @@ class CommitDirectory:
         return removed
 
 
-def make_record(number: int, handlers: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def make_record(
+    number: int, handlers: dict[str, object], values: dict[str, object]
+) -> CommitRecord:
     """The record of commit ``number``: what :meth:`CommitDirectory.write` stores."""
     return {
         "format": FORMAT,
@@ -251,7 +273,7 @@ def make_record(number: int, handlers: dict[str, Any], values: dict[str, Any]) -
     }
 
 
-def read_commit(commit_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_commit(commit_dir: str | os.PathLike[str]) -> CommitRecord | None:
     """Read the durable commit of ``commit_dir``, or ``None`` when it holds none.
 
     The record is a dict: ``format`` (``"hora.elastic.commit"``), ``version`` (1), ``commit``

@@ -20,17 +20,33 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from hora.common import basics
-from hora.common.job import rounds as _elastic
+from hora.common.elastic.job import job
 from hora.common.runtime import runtime
-from hora.common.startup.lifecycle import init, shutdown
 from hora.common.vocabulary.errors import HoraInternalError, HostsUpdatedInterrupt
 
 logger = logging.getLogger("hora")
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
+
+
+class Resumable(Protocol):
+    """What the loop does with a state (:class:`~hora.common.elastic.state.State` has it all)."""
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's."""
+
+    def save(self) -> None:
+        """Keep the current state as the one to go back to."""
+
+    def restore(self) -> None:
+        """Go back to the last saved state."""
+
+    def on_reset(self) -> None:
+        """The job re-formed."""
 
 
 def reset_count() -> int:
@@ -49,18 +65,16 @@ def round_number() -> int:
         >>> if hvd.elastic.round_number() == 0:
         ...     print("the job as it was launched")
     """
-    plan = _elastic.progress.plan
+    plan = job().current_round()
     return plan.number if plan is not None else 0
 
 
 def _reset() -> None:
     """Leave the current round and join the next one (``hvd.shutdown(); hvd.init()``)."""
-    shutdown()
-    # A new session numbers unnamed collectives from the start, as the new workers do.
-    init()
+    job().rejoin()
 
 
-def _progress_of(state: Any) -> str:
+def _progress_of(state: object) -> str:
     saved = getattr(state, "_saved_state", None)
     if not isinstance(saved, dict):
         return ""
@@ -140,8 +154,8 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
     """
 
     @functools.wraps(func)
-    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _elastic.active():
+    def wrapper(state: Resumable, *args: object, **kwargs: object) -> object:
+        if not job().active():
             state.sync()
             return func(state, *args, **kwargs)
         return _elastic_loop(func, state, args, kwargs, reset)
@@ -168,8 +182,12 @@ def _check_no_early_collectives() -> None:
 
 
 def _elastic_loop(
-    func: Callable[..., Any], state: Any, args: Any, kwargs: Any, reset: Callable[[], None]
-) -> Any:
+    func: Callable[..., R],
+    state: Resumable,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    reset: Callable[[], None],
+) -> R:
     _check_no_early_collectives()
     must_reset = False
     cause = ""
@@ -195,7 +213,7 @@ def _elastic_loop(
             # else joining the next round failed although the round was not lost (hvd.init()
             # itself joins the round after a lost one): the state was already rolled back, or
             # saved, before that reset, and hora is not running to restore with.
-            _elastic.request_reset()
+            job().request_reset()
             cause = "a failed collective; resuming from the last commit"
         except HostsUpdatedInterrupt:
             state.save()
@@ -203,8 +221,8 @@ def _elastic_loop(
         must_reset = True
 
 
-def _log_reset(state: Any, cause: str) -> None:
-    plan = _elastic.progress.plan
+def _log_reset(state: object, cause: str) -> None:
+    plan = job().current_round()
     round_number = plan.number if plan is not None else -1
     rank = basics.rank() if basics.is_initialized() else -1
     logger.info(

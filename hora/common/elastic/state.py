@@ -21,15 +21,21 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypedDict, TypeVar, cast
 
 import torch
 
 from hora.common import basics
-from hora.common.elastic.durable import CommitDirectory, DurableCommitError, make_record
-from hora.common.job import rounds as _elastic
+from hora.common.elastic.durable import (
+    CommitDirectory,
+    CommitRecord,
+    DurableCommitError,
+    make_record,
+)
+from hora.common.elastic.job import job
+from hora.common.job.rounds import HOSTS_REMOVED
 from hora.common.ops import collectives
 from hora.common.ops.objects import broadcast_object
 from hora.common.process_sets import global_process_set
@@ -43,33 +49,50 @@ logger = logging.getLogger("hora")
 # The allreduce every rank takes part in at each check_host_updates() of an elastic job.
 HOST_UPDATES_NAME = "hora.elastic.host_updates"
 
-
-def _read_host_update() -> tuple[int, int]:
-    """Rank 0's look at the driver's latest host-change notice, ``(number, flags)``.
-
-    The store client is made once per process. A store that cannot be read counts as "no
-    notice" (the engine notices a lost store on its own).
-    """
-    state = runtime()
-    try:
-        if state.elastic_store is None:
-            state.elastic_store = _elastic.base_store()
-        return _elastic.read_host_update(state.elastic_store)
-    except Exception as exc:  # a missed notice is seen at the next check
-        logger.warning("hora elastic: could not read the host-change notice: %s", exc)
-        return 0, 0
+T = TypeVar("T")
+H = TypeVar("H", bound=type)
 
 
-def _broadcast_from_root(obj: Any, name: str) -> Any:
-    return broadcast_object(obj, root_rank=0, name=name)
+class Broadcast(Protocol):
+    """``f(obj) -> obj``: sends an object from rank 0 to every rank (a collective)."""
+
+    def __call__(self, obj: T, /) -> T:
+        """Rank 0's ``obj``, on every rank."""
 
 
-def _default_bcast_object(obj: Any) -> Any:
+def _broadcast_from_root(obj: T, name: str) -> T:
+    received: T = broadcast_object(obj, root_rank=0, name=name)
+    return received
+
+
+def _default_bcast_object(obj: T) -> T:
     return _broadcast_from_root(obj, "hora.elastic.object_state")
 
 
-def _default_bcast_status(obj: Any) -> Any:
+def _default_bcast_status(obj: T) -> T:
     return _broadcast_from_root(obj, "hora.elastic.commit_dir")
+
+
+class _Status(TypedDict):
+    """What rank 0 tells every rank at each sync of a state with a durable commit."""
+
+    commits: int
+    error: str | None
+
+
+def handler_registry(defaults: Iterable[tuple[type, H]]) -> list[tuple[type, H]]:
+    """The ``(type, handler class)`` pairs a framework's elastic state consults, first match
+    wins: the process's list (``Runtime.state_handlers``), made from ``defaults`` when first
+    asked for. Changes to the list are the process's."""
+    state = runtime()
+    if state.state_handlers is None:
+        state.state_handlers = list(defaults)
+    return cast(list[tuple[type, H]], state.state_handlers)
+
+
+def replace_handler_registry(registry: Iterable[tuple[type, type]]) -> None:
+    """Make a copy of ``registry`` the pairs :func:`handler_registry` answers with."""
+    runtime().state_handlers = list(registry)
 
 
 class Snapshot:
@@ -105,17 +128,17 @@ class State(Snapshot):
 
     def __init__(
         self,
-        bcast_object: Callable[[Any], Any] | None = None,
+        bcast_object: Broadcast | None = None,
         get_rank: Callable[[], int] | None = None,
     ) -> None:
-        self._bcast_object = bcast_object or _default_bcast_object
+        self._bcast_object: Broadcast = bcast_object or _default_bcast_object
         self._rank = get_rank or basics.rank
-        self._reset_callbacks: list[Callable[[], Any]] = []
+        self._reset_callbacks: list[Callable[[], object]] = []
         # The newest host-change notice the current round accounts for, and that round.
         self._updates_seen = 0
         self._updates_round: int | None = None
 
-    def register_reset_callbacks(self, callbacks: list[Callable[[], Any]]) -> None:
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], object]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every reset, after :meth:`reset`.
 
         Typical use: rescale the learning rate to the new ``hvd.size()``. Callbacks run before
@@ -132,7 +155,7 @@ class State(Snapshot):
         for callback in self._reset_callbacks:
             callback()
 
-    def on_hosts_updated(self, timestamp: Any = None, update_res: Any = None) -> None:
+    def on_hosts_updated(self, timestamp: object = None, update_res: object = None) -> None:
         """Horovod's notification hook; a no-op in hora.
 
         hora's workers learn of host changes by reading the job's store in
@@ -166,16 +189,17 @@ class State(Snapshot):
             HostsUpdatedInterrupt: a notice newer than the current round's; ``skip_sync`` is
                 ``True`` when hosts were only removed (hora synchronizes anyway).
         """
-        if not _elastic.active():
+        elastic_job = job()
+        if not elastic_job.active():
             return
-        plan = _elastic.progress.plan
+        plan = elastic_job.current_round()
         if plan is not None and plan.number != self._updates_round:
             # A new round reflects the notices up to its plan's number.
             self._updates_round = plan.number
             self._updates_seen = plan.updates
         values = torch.zeros(2, dtype=torch.float64)
         if self._rank() == 0:
-            number, flags = _read_host_update()
+            number, flags = elastic_job.host_update()
             values[0] = float(number)
             values[1] = float(flags)
         handle = collectives.allreduce_async(
@@ -186,7 +210,7 @@ class State(Snapshot):
         number, flags = int(result[0].item()), int(result[1].item())
         if number > self._updates_seen:
             self._updates_seen = number
-            raise HostsUpdatedInterrupt(skip_sync=flags == _elastic.HOSTS_REMOVED)
+            raise HostsUpdatedInterrupt(skip_sync=flags == HOSTS_REMOVED)
 
 
 @dataclass
@@ -201,7 +225,7 @@ class Commit:
     """
 
     number: int
-    values: dict[str, Any]
+    values: dict[str, object]
     handlers: dict[str, Any] = field(default_factory=dict)
     undo: list[Callable[[], None]] = field(default_factory=list)
 
@@ -251,21 +275,21 @@ class ObjectState(State):
 
     def __init__(
         self,
-        bcast_object: Callable[[Any], Any] | None = None,
+        bcast_object: Broadcast | None = None,
         get_rank: Callable[[], int] | None = None,
         commit_dir: str | os.PathLike[str] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         check_names(type(self), kwargs)
         State.__init__(self, bcast_object=bcast_object, get_rank=get_rank)
-        self._saved_state: dict[str, Any] = copy.deepcopy(kwargs)
+        self._saved_state: dict[str, object] = copy.deepcopy(kwargs)
         for attr, value in kwargs.items():
             setattr(self, attr, value)
         # How many commits the job has made (carried by the durable commit across restarts).
         self._commits = 0
         self._durable = _commit_directory(commit_dir)
         self._durable_ready = False
-        self._bcast_status = bcast_object or _default_bcast_status
+        self._bcast_status: Broadcast = bcast_object or _default_bcast_status
         self._synced_once = False
 
     # ------------------------------------------------------------ commit: build, write, install
@@ -290,7 +314,7 @@ class ObjectState(State):
         """The new commit; nothing of the state changes here."""
         return Commit(number=self._commits + 1, values=self._copy_values(self._current()))
 
-    def _current(self) -> dict[str, Any]:
+    def _current(self) -> dict[str, object]:
         return {attr: getattr(self, attr) for attr in self._saved_state}
 
     def _install(self, commit: Commit) -> None:
@@ -322,10 +346,10 @@ class ObjectState(State):
             self._assign(self._copy_values(self._saved_state))
 
     @staticmethod
-    def _copy_values(values: dict[str, Any]) -> dict[str, Any]:
+    def _copy_values(values: dict[str, object]) -> dict[str, object]:
         return {attr: copy.deepcopy(value) for attr, value in values.items()}
 
-    def _assign(self, values: dict[str, Any]) -> None:
+    def _assign(self, values: dict[str, object]) -> None:
         for attr, value in values.items():
             setattr(self, attr, value)
 
@@ -339,7 +363,7 @@ class ObjectState(State):
         if self._durable is None:
             return
         first = not self._synced_once
-        status: dict[str, Any] | None = None
+        status: _Status | None = None
         failure: Exception | None = None
         if self._rank() == 0:
             try:
@@ -348,7 +372,8 @@ class ObjectState(State):
             except Exception as exc:  # every rank must hear of it, then raise
                 failure = exc
             status = {"commits": self._commits, "error": None if failure is None else str(failure)}
-        status = self._bcast_status(status)
+        # Rank 0 always sends its status: what every rank receives is one.
+        status = cast(_Status, self._bcast_status(status))
         if failure is not None:
             raise failure
         if status["error"] is not None:
@@ -373,7 +398,7 @@ class ObjectState(State):
             "hora elastic: resumed from durable commit %d in %s", self._commits, directory.file
         )
 
-    def _load_record(self, record: dict[str, Any], directory: CommitDirectory) -> None:
+    def _load_record(self, record: CommitRecord, directory: CommitDirectory) -> None:
         """Install ``record`` as the last commit and restore it (checked first, then applied)."""
         handlers, values = record.get("handlers"), record.get("values")
         if not isinstance(handlers, dict) or not isinstance(values, dict):
@@ -395,7 +420,7 @@ class ObjectState(State):
         self.restore()
 
     def _check_layout(
-        self, handlers: dict[str, Any], values: dict[str, Any], directory: CommitDirectory
+        self, handlers: dict[str, object], values: dict[str, object], directory: CommitDirectory
     ) -> None:
         want_handlers, want_values = sorted(self._handler_names()), sorted(self._saved_state)
         if sorted(handlers) == want_handlers and sorted(values) == want_values:
@@ -414,7 +439,7 @@ class ObjectState(State):
         """Raise ValueError when a handler's snapshot cannot be applied (an adapter's state)."""
 
 
-def check_names(cls: type, names: dict[str, Any]) -> None:
+def check_names(cls: type, names: Iterable[str]) -> None:
     for name in names:
         if name.startswith("_") or hasattr(cls, name):
             raise ValueError(

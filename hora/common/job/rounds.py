@@ -47,6 +47,7 @@ from hora.common.job.round_plan import RoundPlan as RoundPlan
 from hora.common.job.round_plan import host_of as host_of
 from hora.common.job.store import AuthenticationError, StoreClient, read_failure, tampering
 from hora.common.job.topology import Topology
+from hora.common.runtime import RoundProgress, runtime
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.config import raw, read
 from hora.common.vocabulary.settings_table import ELASTIC, ELASTIC_ID, ELASTIC_TIMEOUT
@@ -129,29 +130,18 @@ class WorkerRemoved(SystemExit):
         )
 
 
-class _Progress:
-    """What this process knows across ``hvd.init()`` calls.
-
-    Attributes:
-        last_round: the newest round this process joined (or abandoned).
-        plan: that round's plan.
-        forming: the round's store while ``hvd.init()`` connects to its workers (its waits end
-            when the round is lost); ``None`` once :func:`formed`.
-    """
-
-    last_round = -1
-    plan: RoundPlan | None = None
-    forming: StoreClient | None = None
-
-
-progress = _Progress()
+def progress() -> RoundProgress:
+    """The elastic rounds this process took part in, across ``hvd.init()`` calls (the
+    process's runtime keeps them)."""
+    return runtime().rounds
 
 
 def request_reset() -> None:
     """Ask the driver for a new round (this round's collectives failed). Best effort."""
-    if progress.plan is not None:
+    plan = progress().plan
+    if plan is not None:
         try:
-            base_store().mark(reset_key(progress.plan.number))
+            base_store().mark(reset_key(plan.number))
         except Exception:  # the driver also notices exits on its own
             logger.debug("could not ask the elastic driver for a new round", exc_info=True)
 
@@ -195,8 +185,9 @@ def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
     limit = timeout_s() if wait_s is None else wait_s
     base = base_store()
     deadline = time.monotonic() + limit
+    joined = progress()
     while True:
-        plan = _newest_round(base, progress.last_round, deadline, worker_id)
+        plan = _newest_round(base, joined.last_round, deadline, worker_id)
         assignment = plan.workers.get(worker_id)
         if assignment is None:
             raise WorkerRemoved(worker_id, plan.number)
@@ -206,13 +197,13 @@ def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
         if _gather(base, store, plan, assignment.rank, deadline, worker_id):
             break
         logger.debug("round %d was replaced while its workers gathered", plan.number)
-        progress.last_round = plan.number
-    progress.last_round = plan.number
-    progress.plan = plan
+        joined.last_round = plan.number
+    joined.last_round = plan.number
+    joined.plan = plan
     # Until hvd.init() is done, the others' deaths end its waits on the round's store.
     number = plan.number
     store.end_waits_when(lambda: lost(base, number))
-    progress.forming = store
+    joined.forming = store
     topology = Topology(
         rank=assignment.rank,
         size=assignment.size,
@@ -233,9 +224,10 @@ def join(wait_s: float | None = None) -> tuple[Topology, StoreClient]:
 def formed() -> None:
     """``hvd.init()`` is done with the round it joined (it formed, or init failed): its store's
     waits no longer end when the round is lost (the engine handles failures from here on)."""
-    if progress.forming is not None:
-        progress.forming.end_waits_when(None)
-        progress.forming = None
+    joined = progress()
+    if joined.forming is not None:
+        joined.forming.end_waits_when(None)
+        joined.forming = None
 
 
 def lost(base: StoreClient, number: int) -> str:
@@ -263,7 +255,7 @@ def lost(base: StoreClient, number: int) -> str:
 def round_lost(wait_s: float = LOSS_GRACE_S) -> str:
     """Why the round this process joined last is lost, waiting up to ``wait_s`` for the driver
     to say so; ``""`` when it did not (the round's trouble is something else)."""
-    plan = progress.plan
+    plan = progress().plan
     if plan is None:
         return ""
     base = base_store()

@@ -154,7 +154,7 @@ def _start_session(state: Runtime, comm: Any, process_sets: list[ProcessSet] | s
     if dynamic:
         settings = replace(settings, dynamic_process_sets=True)
     while True:
-        joined_before = elastic.progress.plan
+        joined_before = state.rounds.plan
         try:
             _open_session(state, settings, comm, sets)
             return
@@ -178,7 +178,7 @@ def _round_lost_while_joining(
     """
     if not elastic.active():
         return False
-    plan = elastic.progress.plan
+    plan = state.rounds.plan
     if plan is None or plan is joined_before:
         return False  # it failed before it joined a round: nothing to do with one
     why = elastic.round_lost()

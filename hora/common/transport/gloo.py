@@ -12,16 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as _dist
 
 from hora.common.transport import TransportError
-from hora.common.transport.process_group import ProcessGroupCommunicator
+from hora.common.transport.process_group import Backend, ProcessGroupCommunicator, dist
 
-# torch.distributed's stubs omit the process-group methods used here.
-dist: Any = _dist
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupGloo
 
 
 def gloo_available() -> bool:
@@ -53,13 +52,16 @@ def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
     return soft, soft
 
 
-def make_device(bind_address: str, interface: str) -> Any:
+def make_device(bind_address: str, interface: str) -> ProcessGroupGloo.Device:
     """The Gloo network device: a named interface, an address, or Gloo's default."""
+    device: ProcessGroupGloo.Device
     if interface:
-        return dist.ProcessGroupGloo.create_device(interface=interface)
-    if bind_address:
-        return dist.ProcessGroupGloo.create_device(hostname=bind_address)
-    return dist.ProcessGroupGloo.create_default_device()
+        device = dist.ProcessGroupGloo.create_device(interface=interface)
+    elif bind_address:
+        device = dist.ProcessGroupGloo.create_device(hostname=bind_address)
+    else:
+        device = dist.ProcessGroupGloo.create_default_device()
+    return device
 
 
 # How often a connect that may be given up asks whether to give up.
@@ -70,7 +72,8 @@ class GlooCommunicator(ProcessGroupCommunicator):
     """A Gloo process group among ``size`` members, this process being member ``rank``.
 
     Args:
-        store: a ``torch.distributed.Store`` private to this group (a ``PrefixStore``).
+        store: a ``torch.distributed.Store`` private to this group (a ``PrefixStore``), which
+            only the backend reads.
         rank: this process's rank within the group.
         size: number of members.
         timeout_s: how long any one operation may wait for its peers.
@@ -84,11 +87,11 @@ class GlooCommunicator(ProcessGroupCommunicator):
 
     def __init__(
         self,
-        store: Any,
+        store: object,
         rank: int,
         size: int,
         timeout_s: float,
-        device: Any,
+        device: ProcessGroupGloo.Device,
         give_up: Callable[[], str] | None = None,
     ) -> None:
         options = dist.ProcessGroupGloo._Options()
@@ -102,8 +105,8 @@ class GlooCommunicator(ProcessGroupCommunicator):
 
 
 def _connect(
-    store: Any, rank: int, size: int, options: Any, give_up: Callable[[], str] | None
-) -> Any:
+    store: object, rank: int, size: int, options: object, give_up: Callable[[], str] | None
+) -> Backend:
     """A connected ``ProcessGroupGloo``.
 
     With ``give_up``, the group connects in a thread of its own while this one asks
@@ -118,14 +121,16 @@ def _connect(
         RuntimeError: Gloo's error, or the reason to give up.
     """
     if give_up is None:
-        return dist.ProcessGroupGloo(store, rank, size, options)
-    outcome: dict[str, Any] = {}
+        connected: Backend = dist.ProcessGroupGloo(store, rank, size, options)
+        return connected
+    groups: list[Backend] = []
+    errors: list[BaseException] = []
 
     def connect() -> None:
         try:
-            outcome["group"] = dist.ProcessGroupGloo(store, rank, size, options)
+            groups.append(dist.ProcessGroupGloo(store, rank, size, options))
         except BaseException as exc:  # handed to the waiting thread
-            outcome["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=connect, name="hora-gloo-connect")
     thread.start()
@@ -136,6 +141,6 @@ def _connect(
         reason = give_up()
         if reason:
             raise RuntimeError(f"gave up connecting: {reason}")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["group"]
+    if errors:
+        raise errors[0]
+    return groups[0]

@@ -19,11 +19,11 @@ This module knows communicators and buffers; not requests or jobs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from hora.common.transport import Communicator, Pending
+from hora.common.transport import Communicator, Pending, Sizes
+from hora.common.transport.shm import ShmCommunicator
 from hora.common.vocabulary.message import ReduceOp
 
 
@@ -32,7 +32,7 @@ class HierarchicalCommunicator:
 
     Args:
         flat: a communicator among every member (the other collectives use it).
-        local: this host's members, through shared memory (it must offer ``start``).
+        local: this host's members, through shared memory (its ``start`` runs the steps).
         cross: the members of this local rank on every host.
 
     Attributes:
@@ -42,7 +42,7 @@ class HierarchicalCommunicator:
 
     path = "hierarchical"
 
-    def __init__(self, flat: Communicator, local: Any, cross: Communicator) -> None:
+    def __init__(self, flat: Communicator, local: ShmCommunicator, cross: Communicator) -> None:
         self.rank = flat.rank
         self.size = flat.size
         self.device = flat.device
@@ -59,28 +59,31 @@ class HierarchicalCommunicator:
             self._cross.allreduce_async(shard, op, timeout_s).wait()
         self._local.allgather_step(parts, shard)
 
-    def allreduce(self, buffer: Any, op: ReduceOp) -> None:
+    def allreduce(self, buffer: torch.Tensor, op: ReduceOp) -> None:
         self.allreduce_async(buffer, op).wait()
 
-    def allreduce_async(self, buffer: Any, op: ReduceOp, timeout_s: float | None = None) -> Pending:
-        pending: Pending = self._local.start(lambda: self._steps(buffer, op, timeout_s))
-        return pending
+    def allreduce_async(
+        self, buffer: torch.Tensor, op: ReduceOp, timeout_s: float | None = None
+    ) -> Pending:
+        return self._local.start(lambda: self._steps(buffer, op, timeout_s))
 
-    def allgather(self, outputs: Sequence[Any], buffer: Any) -> None:
+    def allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         self._flat.allgather(outputs, buffer)
 
-    def broadcast(self, buffer: Any, root: int) -> None:
+    def broadcast(self, buffer: torch.Tensor, root: int) -> None:
         self._flat.broadcast(buffer, root)
 
     def alltoall(
-        self, output: Any, buffer: Any, output_splits: Sequence[int], input_splits: Sequence[int]
+        self, output: torch.Tensor, buffer: torch.Tensor, output_splits: Sizes, input_splits: Sizes
     ) -> None:
         self._flat.alltoall(output, buffer, output_splits, input_splits)
 
-    def reducescatter(self, output: Any, chunks: Sequence[Any], op: ReduceOp) -> None:
+    def reducescatter(
+        self, output: torch.Tensor, chunks: Sequence[torch.Tensor], op: ReduceOp
+    ) -> None:
         self._flat.reducescatter(output, chunks, op)
 
-    def sendrecv(self, send: Any, receive: Any, peer: int) -> None:
+    def sendrecv(self, send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
         self._flat.sendrecv(send, receive, peer)
 
     def barrier(self) -> None:

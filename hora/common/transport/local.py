@@ -11,13 +11,17 @@ processes. Multi-process tests still run over real transports.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar, cast
 
 import torch
 
-from hora.common.transport import TransportError
+from hora.common.transport import Sizes, TransportError
 from hora.common.vocabulary.message import ReduceOp
+
+# What a member posts for an operation, and what the operation's result is.
+_V = TypeVar("_V")
+_R = TypeVar("_R")
 
 _REDUCE = {
     ReduceOp.SUM: lambda a, b: a + b,
@@ -34,19 +38,29 @@ class _Shared:
         self.size = size
         self.timeout_s = timeout_s
         self.cv = threading.Condition()
-        self.posted: dict[int, dict[int, Any]] = {}
-        self.results: dict[int, Any] = {}
+        # Per operation: what each member posted, and the result (each operation's own types).
+        self.posted: dict[int, dict[int, object]] = {}
+        self.results: dict[int, object] = {}
         self.taken: dict[int, int] = {}
         self.mail: dict[tuple[int, int, int], torch.Tensor] = {}
         self.aborted = False
+
+
+class _Ticket(Generic[_R]):
+    """Operation ``number``, posted; its result is an ``_R``."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, number: int) -> None:
+        self.number = number
 
 
 class _Done:
     """A started operation, as :class:`~hora.common.transport.Pending`: the first ``wait``
     collects the result."""
 
-    def __init__(self, collect: Any) -> None:
-        self._collect: Any = collect
+    def __init__(self, collect: Callable[[], object]) -> None:
+        self._collect: Callable[[], object] | None = collect
 
     def wait(self, timeout_s: float | None = None) -> bool:
         if self._collect is not None:
@@ -70,11 +84,11 @@ class LocalCommunicator:
 
     # ------------------------------------------------------------- matching
 
-    def _meet(self, value: Any, combine: Any) -> Any:
+    def _meet(self, value: _V, combine: Callable[[dict[int, _V]], _R]) -> _R:
         """Post ``value`` for the next operation and wait for its result (see ``_post``)."""
         return self._collect(self._post(value, combine))
 
-    def _post(self, value: Any, combine: Any) -> int:
+    def _post(self, value: _V, combine: Callable[[dict[int, _V]], _R]) -> _Ticket[_R]:
         """Post ``value`` for the next operation (numbered in call order, as every member
         numbers its calls); the last member to post computes ``combine(values by rank)``."""
         shared = self._shared
@@ -82,23 +96,25 @@ class LocalCommunicator:
         self._sequence += 1
         with shared.cv:
             self._check()
-            posted = shared.posted.setdefault(number, {})
+            # Every member posts a _V for operation ``number``.
+            posted = cast(dict[int, _V], shared.posted.setdefault(number, {}))
             posted[self.rank] = value
             if len(posted) == shared.size:
                 shared.results[number] = combine(posted)
                 shared.cv.notify_all()
-        return number
+        return _Ticket(number)
 
-    def _collect(self, number: int) -> Any:
-        """Wait until every member posted operation ``number``; its result."""
+    def _collect(self, ticket: _Ticket[_R]) -> _R:
+        """Wait until every member posted the ticket's operation; its result."""
         shared = self._shared
+        number = ticket.number
         with shared.cv:
             if not shared.cv.wait_for(
                 lambda: number in shared.results or shared.aborted, shared.timeout_s
             ):
                 raise TransportError(f"rank {self.rank} waited {shared.timeout_s:g} s for peers")
             self._check()
-            result = shared.results[number]
+            result = cast(_R, shared.results[number])
             shared.taken[number] = shared.taken.get(number, 0) + 1
             if shared.taken[number] == shared.size:
                 del shared.posted[number], shared.results[number], shared.taken[number]
@@ -124,8 +140,8 @@ class LocalCommunicator:
                 total = reduce(total, posted[rank])
             return total
 
-        number = self._post(buffer.clone(), combine)
-        return _Done(lambda: buffer.copy_(self._collect(number)))
+        ticket = self._post(buffer.clone(), combine)
+        return _Done(lambda: buffer.copy_(self._collect(ticket)))
 
     def allgather(self, outputs: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         gathered = self._meet(buffer.clone(), lambda posted: posted)
@@ -136,11 +152,7 @@ class LocalCommunicator:
         buffer.copy_(self._meet(buffer.clone(), lambda posted: posted[root]))
 
     def alltoall(
-        self,
-        output: torch.Tensor,
-        buffer: torch.Tensor,
-        output_splits: Sequence[int],
-        input_splits: Sequence[int],
+        self, output: torch.Tensor, buffer: torch.Tensor, output_splits: Sizes, input_splits: Sizes
     ) -> None:
         parts = list(buffer.clone().split(list(input_splits)))
         everyone = self._meet(parts, lambda posted: posted)

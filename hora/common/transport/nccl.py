@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as _dist
 
 from hora.common.transport import TransportError
-from hora.common.transport.process_group import ProcessGroupCommunicator
+from hora.common.transport.process_group import ProcessGroupCommunicator, dist
 
-dist: Any = _dist
+if TYPE_CHECKING:
+    from torch.distributed import Work
 
 # The host polls a running collective every this many seconds at most (less at first, so that
 # short collectives are seen as soon as they finish).
@@ -53,8 +53,7 @@ def nccl_compiled() -> bool:
 def gpu_identity(device: torch.device) -> str:
     """A name of ``device``'s physical GPU that is the same in every process that sees it,
     whatever ``CUDA_VISIBLE_DEVICES`` numbers it as there (its UUID)."""
-    properties: Any = torch.cuda.get_device_properties(device)
-    return str(properties.uuid)
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def shared_gpus(identities: list[str]) -> list[list[int]]:
@@ -78,7 +77,7 @@ class NCCLPending:
 
     __slots__ = ("_comm", "_work", "_expires")
 
-    def __init__(self, comm: NCCLCommunicator, work: Any, limit_s: float) -> None:
+    def __init__(self, comm: NCCLCommunicator, work: Work, limit_s: float) -> None:
         self._comm = comm
         self._work = work
         self._expires = time.monotonic() + limit_s
@@ -111,14 +110,14 @@ class NCCLPending:
         return True
 
     @staticmethod
-    def _finished(work: Any) -> bool:
+    def _finished(work: Work) -> bool:
         try:
             return bool(work.is_completed())
         except RuntimeError:
             return True  # it failed: wait() reports how
 
 
-def _error_of(work: Any) -> str | None:
+def _error_of(work: Work) -> str | None:
     try:
         error = work.exception()
     except RuntimeError as exc:
@@ -149,7 +148,7 @@ class NCCLCommunicator(ProcessGroupCommunicator):
 
     def __init__(
         self,
-        store: Any,
+        store: object,
         rank: int,
         size: int,
         timeout_s: float,
@@ -178,5 +177,5 @@ class NCCLCommunicator(ProcessGroupCommunicator):
     def aborted(self) -> bool:
         return self._aborted
 
-    def _pending(self, work: Any, timeout_s: float | None = None) -> NCCLPending:
+    def _pending(self, work: Work, timeout_s: float | None = None) -> NCCLPending:
         return NCCLPending(self, work, self.timeout_s if timeout_s is None else timeout_s)

@@ -27,11 +27,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from hora.common.transport import FINISHED, TransportError
+from hora.common.transport import FINISHED, Pending, Sizes, TransportError
 from hora.common.transport.shm_arena import ArenaAllreduce
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_halves import Halves
@@ -185,7 +184,7 @@ class ShmCommunicator:
 
     def allreduce_async(
         self, buffer: torch.Tensor, op: ReduceOp, timeout_s: float | None = None
-    ) -> Any:
+    ) -> Pending:
         run = lambda: self._allreduce(buffer, op, self._barriers.deadline(timeout_s))  # noqa: E731
         self._started += 1
         self._segment.announce(self._started)
@@ -222,11 +221,7 @@ class ShmCommunicator:
         self._now(lambda: self._through_slots.reducescatter(output, chunks, op))
 
     def alltoall(
-        self,
-        output: torch.Tensor,
-        buffer: torch.Tensor,
-        output_splits: Sequence[int],
-        input_splits: Sequence[int],
+        self, output: torch.Tensor, buffer: torch.Tensor, output_splits: Sizes, input_splits: Sizes
     ) -> None:
         self._now(lambda: self._through_slots.alltoall(output, buffer, output_splits, input_splits))
 
@@ -255,7 +250,7 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------- steps of composed operations
 
-    def start(self, steps: Callable[[], None]) -> Any:
+    def start(self, steps: Callable[[], None]) -> Pending:
         """Run ``steps`` on this communicator's worker, in order with its other operations;
         ``steps`` may call the ``*_step`` methods (and other communicators' operations)."""
         return self._start(steps)

@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from hora.common.transport.shm_segment import Segment
 from hora.common.vocabulary.message import ReduceOp
 
-REDUCTIONS: dict[ReduceOp, Callable[..., Any]] = {
+
+class Reduction(Protocol):
+    """An element-wise reduction of two tensors into ``out``."""
+
+    def __call__(
+        self, first: torch.Tensor, second: torch.Tensor, /, *, out: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+REDUCTIONS: dict[ReduceOp, Reduction] = {
     ReduceOp.SUM: torch.add,
     ReduceOp.MIN: torch.minimum,
     ReduceOp.MAX: torch.maximum,

@@ -45,8 +45,7 @@ import platform
 import select
 import struct
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from hora.common.job.shm_names import (
     CREATOR_OFFSET,
@@ -102,7 +101,7 @@ def supported() -> str | None:
 
 
 @functools.cache
-def _syscall() -> Any:
+def _syscall() -> Callable[..., int]:
     """libc's ``syscall``, typed for ``futex(2)``; loaded once per process (loading it costs
     more than making a segment does)."""
     function = ctypes.CDLL(None, use_errno=True).syscall
@@ -187,7 +186,7 @@ class Segment:
         self.arena_starts = [first_arena + j * arena_bytes for j in range(size)]
         self._futex = _Futex()
         self._pidfds: dict[int, int] = {}
-        self._poll: Any = None
+        self._poll: select.poll | None = None
         self.aborted = False
 
     # ------------------------------------------------------------- making and opening
@@ -275,7 +274,7 @@ class Segment:
             return False
         return True
 
-    def arena_block(self, offset: int, nbytes: int) -> Any:
+    def arena_block(self, offset: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
         """Bytes ``offset .. offset + nbytes`` of this member's arena, as a ctypes array (an
         object of its own, so that its owner learns when nothing refers to it any more)."""
         start = self.arena_starts[self.rank] + offset

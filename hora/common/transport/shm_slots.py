@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hora.common.transport import Sizes
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_layout import ALIGN, REDUCTIONS, Layout, as_bytes, offsets, part
 from hora.common.transport.shm_segment import Segment
@@ -137,11 +138,7 @@ class SlotCollectives:
             self._barriers.barrier(deadline)
 
     def alltoall(
-        self,
-        output: torch.Tensor,
-        buffer: torch.Tensor,
-        output_splits: Sequence[int],
-        input_splits: Sequence[int],
+        self, output: torch.Tensor, buffer: torch.Tensor, output_splits: Sizes, input_splits: Sizes
     ) -> None:
         deadline = self._barriers.deadline()
         self._barriers.fence(deadline)
