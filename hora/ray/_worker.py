@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hora.common.startup.lifecycle import keep_hosted, receiving_key, release_hosted
 from hora.common.vocabulary import settings_table as table
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 # Variables an outer launcher may have left in the Ray worker's environment (Ray workers inherit
 # the environment of the process that started Ray) that would make hvd.init() take the wrong
@@ -35,27 +38,17 @@ STALE_VARS = (
     "HOROVOD_" + table.SECRET_KEY.name,
 )
 
-_lock = threading.Lock()
-# Rendezvous stores this process hosts, by the token of the start that created them.
-_servers: dict[str, Any] = {}
-# This process's X25519 private key (made on first use), for the sealed job secret.
-_own_key: list[Any] = []
+# The rendezvous stores this process hosts are kept by the token of the start that created
+# them, and its X25519 private key (made on first use, for the sealed job secret) by the
+# process's runtime (lifecycle's keep_hosted and receiving_key).
 _SEAL_INFO = b"hora-ray-sealed-secret"
 
 
-def _private_key() -> Any:
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-
-    with _lock:
-        if not _own_key:
-            _own_key.append(X25519PrivateKey.generate())
-        return _own_key[0]
-
-
-def _raw_public(key: Any) -> bytes:
+def _raw_public(key: X25519PrivateKey) -> bytes:
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    return bytes(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+    public: X25519PublicKey = key.public_key()
+    return bytes(public.public_bytes(Encoding.Raw, PublicFormat.Raw))
 
 
 def _box_key(shared: bytes, sender: bytes, recipient: bytes) -> bytes:
@@ -98,7 +91,7 @@ def unseal(sealed_hex: str) -> str:
 
     sealed = bytes.fromhex(sealed_hex)
     sender, ciphertext = sealed[:32], sealed[32:]
-    key = _private_key()
+    key = receiving_key()
     shared = key.exchange(X25519PublicKey.from_public_bytes(sender))
     box = ChaCha20Poly1305(_box_key(shared, sender, _raw_public(key)))
     try:
@@ -125,7 +118,7 @@ def describe() -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "gpu_ids": gpu_ids,
-        "public_key": _raw_public(_private_key()).hex(),
+        "public_key": _raw_public(receiving_key()).hex(),
     }
 
 
@@ -148,15 +141,13 @@ def host_rendezvous(
 
     secret = new_secret()
     server = RendezvousServer(bind_address, secret=secret, timeout_s=timeout_s)
-    with _lock:
-        _servers[token] = server
+    keep_hosted(token, server)
     return int(server.port), [seal(secret, key) for key in public_keys]
 
 
 def close_rendezvous(token: str) -> bool:
     """Stop serving the store that the start ``token`` created here (if it is still here)."""
-    with _lock:
-        server = _servers.pop(token, None)
+    server = release_hosted(token)
     if server is None:
         return False
     server.close()

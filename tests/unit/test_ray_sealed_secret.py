@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hora.common.job.store import new_secret
+from hora.common.startup.lifecycle import receiving_key
 
 # hora.ray, and so its _worker, imports Ray.
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[integrations]'")
@@ -15,7 +16,7 @@ from hora.ray import _worker
 
 
 def _public_key() -> str:
-    return _worker._raw_public(_worker._private_key()).hex()
+    return _worker._raw_public(receiving_key()).hex()
 
 
 def test_a_sealed_secret_opens_only_with_the_workers_key() -> None:

@@ -25,6 +25,9 @@ from hora.common import metrics
 from hora.common.engine import Engine
 from hora.common.job import joining
 from hora.common.job import rounds as elastic
+from hora.common.job.joining import keep_hosted as keep_hosted
+from hora.common.job.joining import receiving_key as receiving_key
+from hora.common.job.joining import release_hosted as release_hosted
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology, detect
@@ -55,6 +58,10 @@ from hora.common.vocabulary.config import (
 )
 
 logger = logging.getLogger("hora")
+
+# keep_hosted, release_hosted and receiving_key are a Ray worker's (hora.ray._worker), whose
+# process hosts its job's store and receives its sealed secret between the Ray driver's calls:
+# the runtime keeps both, as it keeps every store a process hosts.
 
 
 class _RankFilter(logging.Filter):
