@@ -36,18 +36,55 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from hora.common.runtime import runtime
 from hora.common.transport import TransportError
 from hora.common.vocabulary.message import ReduceOp
+
+if TYPE_CHECKING:
+    import numpy as np
+    from mpi4py import MPI
+    from mpi4py.typing import Buffer
 
 # How long a caller waits between checks of the aborted flag (it is also woken at once).
 _POLL_S = 0.05
 
 
-def import_mpi() -> Any:
+class MPILibrary(Protocol):
+    """What hora uses of mpi4py's ``MPI`` module (the module itself is one)."""
+
+    @property
+    def COMM_WORLD(self) -> MPI.Intracomm: ...
+    @property
+    def THREAD_MULTIPLE(self) -> int: ...
+    @property
+    def IN_PLACE(self) -> MPI.InPlaceType: ...
+    @property
+    def BYTE(self) -> MPI.Datatype: ...
+    @property
+    def SUM(self) -> MPI.Op: ...
+    @property
+    def PROD(self) -> MPI.Op: ...
+    @property
+    def MIN(self) -> MPI.Op: ...
+    @property
+    def MAX(self) -> MPI.Op: ...
+    @property
+    def Op(self) -> type[MPI.Op]: ...
+    @property
+    def Request(self) -> type[MPI.Request]: ...
+    @property
+    def Exception(self) -> type[MPI.Exception]: ...
+    def Is_initialized(self) -> bool: ...
+    def Is_finalized(self) -> bool: ...
+    def Init_thread(self, required: int = ...) -> int: ...
+    def Query_thread(self) -> int: ...
+
+
+def import_mpi() -> MPILibrary:
     """``mpi4py.MPI``, initialized with ``MPI_THREAD_MULTIPLE`` if it was not yet.
 
     Raises:
@@ -112,21 +149,23 @@ _STAND_INS = {
 _HALVES = (torch.float16, torch.bfloat16)
 
 
-def array(tensor: torch.Tensor) -> Any:
+def array(tensor: torch.Tensor) -> np.ndarray[tuple[int], np.dtype[np.generic]]:
     """A numpy view of a contiguous CPU tensor's memory (no copy)."""
     stand_in = _STAND_INS.get(tensor.dtype)
     flat = tensor.detach().reshape(-1)
     return (flat.view(stand_in) if stand_in is not None else flat).numpy()
 
 
-def byte_array(tensor: torch.Tensor) -> Any:
+def byte_array(tensor: torch.Tensor) -> np.ndarray[tuple[int], np.dtype[np.generic]]:
     """A numpy ``uint8`` view of a contiguous CPU tensor's memory (no copy)."""
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _half_kernel(dtype: torch.dtype, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
+def _half_kernel(
+    dtype: torch.dtype, op: ReduceOp
+) -> Callable[[Buffer, Buffer, MPI.Datatype], None]:
     """``inout = inout (op) in``, elementwise on 16-bit float buffers, for MPI_Op_create."""
-    combines: dict[ReduceOp, Callable[..., Any]] = {
+    combines: dict[ReduceOp, Callable[..., torch.Tensor]] = {
         ReduceOp.SUM: torch.add,
         ReduceOp.PRODUCT: torch.mul,
         ReduceOp.MIN: torch.minimum,
@@ -134,7 +173,7 @@ def _half_kernel(dtype: torch.dtype, op: ReduceOp) -> Callable[[Any, Any, Any], 
     }
     combine = combines[op]
 
-    def kernel(incoming: Any, inout: Any, _datatype: Any) -> None:
+    def kernel(incoming: Buffer, inout: Buffer, _datatype: MPI.Datatype) -> None:
         with warnings.catch_warnings():
             # MPI may hand the incoming buffer over read-only; it is only read here.
             warnings.simplefilter("ignore", UserWarning)
@@ -145,10 +184,14 @@ def _half_kernel(dtype: torch.dtype, op: ReduceOp) -> Callable[[Any, Any, Any], 
     return kernel
 
 
-class _Ops:
-    """MPI reduction ops by (dtype, op): MPI's own, and user-defined ones for 16-bit floats."""
+class Reductions:
+    """MPI reduction ops by (dtype, op): MPI's own, and user-defined ones for 16-bit floats.
 
-    def __init__(self, mpi: Any) -> None:
+    One serves the whole process (``Runtime.mpi``): an op made with ``MPI_Op_create`` serves
+    every communicator.
+    """
+
+    def __init__(self, mpi: MPILibrary) -> None:
         self._mpi = mpi
         self._builtin = {
             ReduceOp.SUM: mpi.SUM,
@@ -156,10 +199,10 @@ class _Ops:
             ReduceOp.MIN: mpi.MIN,
             ReduceOp.MAX: mpi.MAX,
         }
-        self._custom: dict[tuple[torch.dtype, ReduceOp], Any] = {}
+        self._custom: dict[tuple[torch.dtype, ReduceOp], MPI.Op] = {}
         self._lock = threading.Lock()
 
-    def get(self, dtype: torch.dtype, op: ReduceOp) -> Any:
+    def get(self, dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
         if op not in self._builtin:
             raise TransportError(f"the MPI transport has no {op.name} reduction")
         if dtype not in _HALVES:
@@ -172,14 +215,11 @@ class _Ops:
             return made
 
 
-_ops: _Ops | None = None
-
-
-def _reduction(mpi: Any, dtype: torch.dtype, op: ReduceOp) -> Any:
-    global _ops
-    if _ops is None:
-        _ops = _Ops(mpi)
-    return _ops.get(dtype, op)
+def _reduction(mpi: MPILibrary, dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
+    process = runtime().mpi
+    if process.reductions is None:
+        process.reductions = Reductions(mpi)
+    return process.reductions.get(dtype, op)
 
 
 def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -238,18 +278,14 @@ class _MPIPending:
         return True
 
 
-_stuck_lock = threading.Lock()
-_stuck_registered = False
-
-
-def _end_mpi_job_at_exit(mpi: Any) -> None:
+def _end_mpi_job_at_exit(mpi: MPILibrary) -> None:
     """An MPI call of this process will never return: end the job with MPI_Abort at exit
     instead of MPI_Finalize, which would wait for that call forever."""
-    global _stuck_registered
-    with _stuck_lock:
-        if _stuck_registered:
+    process = runtime().mpi
+    with process.lock:
+        if process.abort_at_exit:
             return
-        _stuck_registered = True
+        process.abort_at_exit = True
 
     def _abort_job() -> None:
         import sys
@@ -273,7 +309,7 @@ class MPICommunicator:
 
     path = "mpi"
 
-    def __init__(self, comm: Any, timeout_s: float, mpi: Any) -> None:
+    def __init__(self, comm: MPI.Intracomm, timeout_s: float, mpi: MPILibrary) -> None:
         self._comm = comm
         self._mpi = mpi
         self.rank: int = comm.Get_rank()
@@ -289,7 +325,11 @@ class MPICommunicator:
 
     @classmethod
     def of(
-        cls, parent: Any, members: Sequence[int] | None, timeout_s: float, mpi: Any
+        cls,
+        parent: MPI.Intracomm,
+        members: Sequence[int] | None,
+        timeout_s: float,
+        mpi: MPILibrary,
     ) -> MPICommunicator:
         """A communicator of its own among ``members`` (ranks of ``parent``; ``None``: all).
 

@@ -39,6 +39,7 @@ from hora.common.job.shm_names import (
     new_directory_name,
     unsafe_directory,
 )
+from hora.common.runtime import runtime
 
 logger = logging.getLogger("hora")
 
@@ -46,7 +47,6 @@ logger = logging.getLogger("hora")
 _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _NAME = re.compile(r"hora-[0-9a-f-]+(?:d[0-9a-f]+)?")
-_told_private = False
 
 
 class SegmentError(OSError):
@@ -138,13 +138,14 @@ def create(
 
 
 def _tell_private(problem: str) -> None:
-    global _told_private
-    if not _told_private:
+    """Say once per process (the runtime remembers) why segments go to private directories."""
+    state = runtime()
+    if not state.shm_private_told:
         logger.warning(
             "%s; hora keeps its shared-memory segments in private directories (0700) there.",
             problem,
         )
-        _told_private = True
+        state.shm_private_told = True
 
 
 def _private_directory(folder: int, directory: str) -> tuple[int, int]:
