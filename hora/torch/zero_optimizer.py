@@ -35,13 +35,13 @@ makes, and its public methods. Each does its work through one collaborator:
 from __future__ import annotations
 
 import inspect
-import itertools
 import warnings
 from typing import Any
 
 import torch
 
 from hora.common import api
+from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
@@ -87,10 +87,6 @@ NO_CLOSURE = (
     "backward again while the gradients of this step are being reduced. Call loss.backward() "
     "and then optimizer.step()."
 )
-
-# Numbers the sharded optimizers of a process, in the order they are made (the same on every
-# rank): the names of their collectives.
-_numbers = itertools.count()
 
 
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
@@ -155,7 +151,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The last consolidated state loaded, until the next step (broadcast_optimizer_state
         # sends it from the root: see zero_state.broadcast_state).
         self.loaded_state: dict[str, Any] | None = None
-        sharded = ShardedParameters(self.param_groups, options, f"zero{next(_numbers)}")
+        name = f"zero{submission.sharded_optimizer_number()}"
+        sharded = ShardedParameters(self.param_groups, options, name)
         self._requires_update = sharded.trainable  # marks a DistributedOptimizer
         self._reduce_scatter = GradientReduceScatter(sharded, options)
         self._reduced = ReducedGradients(sharded)

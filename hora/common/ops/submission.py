@@ -66,6 +66,12 @@ def stop_holding(holder: GradientHolder) -> None:
     runtime().holders.discard(holder)
 
 
+def sharded_optimizer_number() -> int:
+    """The number of a new sharded (ZeRO) optimizer among the process's, from 0 in the order
+    they are made (the same on every rank): the names of its collectives."""
+    return next(runtime().sharded_optimizers)
+
+
 # ---------------------------------------------------------------- checks
 
 

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from hora.common.elastic.state import Commit, ObjectState, Snapshot, check_names
+from hora.common.elastic.state import (
+    Commit,
+    ObjectState,
+    Snapshot,
+    check_names,
+    handler_registry,
+    replace_handler_registry,
+)
 from hora.common.ops.objects import broadcast_object
 from hora.torch import zero_state
 from hora.torch.elastic.sampler import ElasticSampler
@@ -211,17 +218,18 @@ class SamplerStateHandler(StateHandler):
         self.value.reset()
 
 
-_handler_registry: list[tuple[type, type[StateHandler]]] = [
+# The registry until the user replaces it (the process's runtime keeps the one in use).
+_DEFAULT_HANDLERS: tuple[tuple[type, type[StateHandler]], ...] = (
     (torch.nn.Module, ModelStateHandler),
     (ShardedOptimizer, ShardedOptimizerStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
-]
+)
 
 
 def get_handler_registry() -> list[tuple[type, type[StateHandler]]]:
     """The ``(type, handler class)`` pairs ``TorchState`` consults, first match wins."""
-    return _handler_registry
+    return handler_registry(_DEFAULT_HANDLERS)
 
 
 def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> None:
@@ -231,12 +239,11 @@ def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> Non
         >>> hvd.elastic.set_handler_registry(
         ...     [(MyScheduler, MySchedulerHandler)] + hvd.elastic.get_handler_registry())
     """
-    global _handler_registry
-    _handler_registry = list(registry)
+    replace_handler_registry(registry)
 
 
 def _handler_for(value: Any) -> StateHandler | None:
-    for kind, handler_cls in _handler_registry:
+    for kind, handler_cls in get_handler_registry():
         if isinstance(value, kind):
             handler = handler_cls(value)
             if not _own_protocol(handler) and getattr(handler, "committed", None) is None:
