@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from hora.common.engine.handles import Entry
 from hora.common.vocabulary.message import ReduceOp, RequestType, Response, key_label
@@ -34,10 +33,10 @@ class Ranges:
     end on another thread (an allreduce is started by the engine and finished by the finisher).
     """
 
-    push: Callable[[str], Any]
-    pop: Callable[[], Any]
+    push: Callable[[str], object]
+    pop: Callable[[], object]
     start: Callable[[str], int]
-    end: Callable[[int], Any]
+    end: Callable[[int], object]
 
 
 def nvtx_ranges() -> Ranges | None:

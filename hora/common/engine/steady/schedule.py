@@ -10,10 +10,15 @@ the schedule; this module does not know how, nor anything of tensors' contents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from hora.common.engine import fusion
 from hora.common.vocabulary.message import ReduceOp, Request, RequestType, Response
+
+if TYPE_CHECKING:
+    import torch
+
+    from hora.common.transport import Communicator
 
 # Responses in the longest period looked for (names in one training step).
 MAX_PERIOD = 4096
@@ -73,6 +78,18 @@ class BatchLayout:
     batches: int
 
 
+class BatchBuffer(NamedTuple):
+    """A steady-state batch's buffer and the engine's views of it (made by
+    :mod:`.staging`): the data, the ranks' codes, each tensor's piece; and the references to
+    the buffer's memory when nothing outside the engine holds it."""
+
+    buffer: torch.Tensor
+    data: torch.Tensor
+    codes: torch.Tensor
+    pieces: dict[str, torch.Tensor]
+    baseline: tuple[int, int]
+
+
 @dataclass
 class Schedule:
     """The batches of one period, in order, and where this rank is in it."""
@@ -84,11 +101,11 @@ class Schedule:
     period: list[Response] = field(default_factory=list)
     # Per batch: its buffer and the engine's views of it (the data, the ranks' codes, each
     # tensor's piece), reused every period; see hora.common.engine.steady.staging.
-    batch_buffers: list[Any] = field(default_factory=list)
+    batch_buffers: list[BatchBuffer] = field(default_factory=list)
     # The communicator each batch runs on (its buffers live on that communicator's device).
-    comms: list[Any] = field(default_factory=list)
+    comms: list[Communicator] = field(default_factory=list)
     # Per name: its piece of its batch's current buffer (a view shaped as the tensor).
-    pieces: dict[str, Any] = field(default_factory=dict)
+    pieces: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per batch: the elements of each of its tensors, in order.
     sizes: list[list[int]] = field(default_factory=list)
     # Batches whose buffer the transport holds now (the engine's lock guards it).
@@ -102,7 +119,7 @@ class Schedule:
     # Batches whose last results were lent out as views of their buffer (the engine's lock
     # guards it), and per batch a second buffer to turn to while a lent one is still used.
     lent: set[int] = field(default_factory=set)
-    spares: dict[int, Any] = field(default_factory=dict)
+    spares: dict[int, BatchBuffer] = field(default_factory=dict)
     # Which names each batch holds, for callers that want to submit a batch at once.
     layout: BatchLayout = field(init=False)
 

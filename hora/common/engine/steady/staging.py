@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
@@ -28,7 +27,7 @@ from hora.common.engine.buffers import (
     torch_dtype,
 )
 from hora.common.engine.handles import Entry, finish
-from hora.common.engine.steady.schedule import FOLLOWING, Schedule
+from hora.common.engine.steady.schedule import FOLLOWING, BatchBuffer, Schedule
 from hora.common.transport import Communicator, repeated_buffer
 from hora.common.vocabulary.message import ReduceOp, Request
 
@@ -215,16 +214,6 @@ def stage(schedule: Schedule, staged: list[tuple[int, str, torch.Tensor]]) -> No
         # for the caller's stream, and after which NCCL runs the batch.
         with on_default_stream(targets[0]):
             torch._foreach_copy_(targets, sources)
-
-
-class BatchBuffer(NamedTuple):
-    """A steady-state batch's buffer and the engine's views of it."""
-
-    buffer: torch.Tensor
-    data: torch.Tensor
-    codes: torch.Tensor
-    pieces: dict[str, torch.Tensor]
-    baseline: tuple[int, int]
 
 
 def _batch_buffer(
