@@ -97,24 +97,21 @@ def on_default_stream(tensor: torch.Tensor) -> Any:
     return torch.cuda.stream(torch.cuda.default_stream(tensor.device))
 
 
-def read_landed(tensor: torch.Tensor) -> list[int]:
+def read_landed(tensor: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]) -> list[int]:
     """The values of a small tensor that a finished collective wrote, as integers.
 
-    A CUDA tensor is read on a stream of its own: the collective is known to be done, and the
-    default stream may hold a backlog of the caller's kernels (the rest of backward) that a read
-    there would wait for.
+    A CUDA tensor is read on a stream of its own (the caller's ``streams``, by device, made
+    here at first use): the collective is known to be done, and the default stream may hold a
+    backlog of the caller's kernels (the rest of backward) that a read there would wait for.
     """
     if not tensor.is_cuda:
         return [int(v) for v in tensor.tolist()]
-    side = _reading_streams.get(tensor.device)
+    side = streams.get(tensor.device)
     if side is None:
-        side = _reading_streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        side = streams[tensor.device] = torch.cuda.Stream(tensor.device)
     with torch.cuda.stream(side):
         values = tensor.tolist()
     return [int(v) for v in values]
-
-
-_reading_streams: dict[torch.device, Any] = {}
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,9 @@ class Engine:
         # Handles this engine numbered (the collectives it was handed, for elastic's warning).
         self._handle_numbers = itertools.count(1)
         self.handles_made = 0
+        # Serialises releasing a handle's waiters (the finisher may deliver a result while the
+        # engine fails the job): one lock for all this engine's handles.
+        self._opening = threading.Lock()
         self.rank = topology.rank
         self.size = topology.size
         self._store = store
@@ -273,7 +276,7 @@ class Engine:
         """
         number = next(self._handle_numbers)  # atomic, whichever thread calls
         self.handles_made = number
-        return Handle(number, count, kind, grouped, self.intake)
+        return Handle(number, count, kind, grouped, self.intake, self._opening)
 
     def enqueue(self, entries: list[Entry]) -> None:
         """Queue entries atomically (a grouped call's entries reach negotiation together).

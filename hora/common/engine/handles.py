@@ -21,9 +21,6 @@ if TYPE_CHECKING:
 
     from hora.common.engine.steady import Schedule
 
-# Serialises Handle._open (the finisher may deliver a result while the engine fails the job).
-_OPENING = threading.Lock()
-
 
 class WaitObserver(Protocol):
     """Told about the threads that wait for handles (the engine's intake implements it)."""
@@ -48,11 +45,15 @@ class Handle:
         kind: the operation.
         grouped: whether it is a grouped call (its result is a list).
         observer: told when threads wait for or poll this handle (``None``: nobody).
+        opening: serialises releasing the waiters (the finisher may deliver a result while the
+            engine fails the job): its engine's lock, shared by the engine's handles (``None``:
+            a lock of the handle's own).
     """
 
     __slots__ = (
         "_done",
         "_latch",
+        "_opening",
         "_remaining",
         "error",
         "grouped",
@@ -70,6 +71,7 @@ class Handle:
         kind: RequestType,
         grouped: bool = False,
         observer: WaitObserver | None = None,
+        opening: threading.Lock | None = None,
     ) -> None:
         self.id = number
         self.kind = kind
@@ -86,6 +88,7 @@ class Handle:
         self._latch = threading.Lock()
         if not self._done:
             self._latch.acquire()
+        self._opening = opening if opening is not None else threading.Lock()
 
     def done(self) -> bool:
         return self._done
@@ -136,7 +139,7 @@ class Handle:
 
     def _open(self) -> None:
         """Release the waiters, once (results and failures may race to get here)."""
-        with _OPENING:
+        with self._opening:
             if self._done:
                 return
             self._done = True

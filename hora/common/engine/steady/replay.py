@@ -94,6 +94,8 @@ class Replay:
         self._counters = context.counters
         self._waits = Waits(settings, rank, context.store, context.keys)
         self._collector = Collector(context, self._waits)
+        # The side stream, per device, that landed batches' codes are read on (read_landed).
+        self._reading_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.history = History()
         self.schedule: Schedule | None = None
         # The batch whose allreduce runs while the next one fills.
@@ -344,7 +346,7 @@ class Replay:
         self._tracer.finish(flight.on_the_wire)
         timeline = self._tracer.timeline
         done = timeline.now() if timeline is not None else 0
-        codes = read_landed(schedule.batch_buffers[flight.position].codes)
+        codes = read_landed(schedule.batch_buffers[flight.position].codes, self._reading_streams)
         if any(codes):
             self._intake.between_submissions(lambda: schedule.landed(flight.position))
             self._abort_following(schedule, following)
