@@ -18,6 +18,7 @@ eagerly); the pass's bookkeeping is :mod:`hora.torch.zero_reduce_scatter`'s, the
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hora.torch.gradient_reduction import global_step_hooks
@@ -46,62 +47,62 @@ class SteppedOptimizer(Protocol):
     backward_passes_per_step: int
 
 
+@dataclass(frozen=True, eq=False)
 class ShardedStep:
-    """One step's course: the pass's start, ``synchronize()``, ``step()``, and laying out."""
+    """One step's course: the pass's start, ``synchronize()``, ``step()``, and laying out.
 
-    def __init__(
-        self,
-        params: ShardedParameters,
-        reduce_scatter: GradientReduceScatter,
-        reduced: ReducedGradients,
-        gather: ParameterGather,
-        wrapped: Any,
-        eager_state: bool,
-    ) -> None:
-        self._params = params
-        self._reduce_scatter = reduce_scatter
-        self._reduced = reduced
-        self._gather = gather
-        # The wrapped optimizer's class, whose step() updates the pieces.
-        self._wrapped = wrapped
-        # Whether the wrapped class makes state in its constructor (Adagrad's accumulators).
-        self._eager_state = eager_state
+    Attributes:
+        params: the parameters, their buckets and this rank's pieces.
+        reduce_scatter: the gradients' reduce-scatter during backward.
+        reduced: the reduced shards, as ``synchronize()`` shows them.
+        gather: the parameters' allgather.
+        wrapped: the wrapped optimizer's class, whose ``step()`` updates the pieces.
+        eager_state: whether the wrapped class makes state in its constructor (Adagrad's
+            accumulators).
+    """
+
+    params: ShardedParameters
+    reduce_scatter: GradientReduceScatter
+    reduced: ReducedGradients
+    gather: ParameterGather
+    wrapped: Any
+    eager_state: bool
 
     # ------------------------------------------------------------------ a backward pass
 
     def begin_pass(self, opt: SteppedOptimizer) -> None:
         """At the first gradient of a step: take the pieces back from param_groups (a step
         GradScaler skipped leaves them shown) and check the ranks are those of the layout."""
-        self._gather.finish()
-        self._reduce_scatter.begin_pass()
+        self.gather.finish()
+        self.reduce_scatter.begin_pass()
         # A new backward pass after synchronize() without step(): a new step begins.
-        self._reduced.restart(opt.param_groups)
-        if self._params.needs_new_layout(opt.state):
+        self.reduced.restart(opt.param_groups)
+        if self.params.needs_new_layout(opt.state):
             self.lay_out(opt)
 
     def submit_outstanding(self, opt: SteppedOptimizer) -> None:
         """Close the backward pass: reduce every bucket no hook completed."""
-        if not self._reduce_scatter.in_pass:
+        if not self.reduce_scatter.in_pass:
             self.begin_pass(opt)
-        self._reduce_scatter.submit_outstanding()
+        self.reduce_scatter.submit_outstanding()
 
     def synchronize(self, opt: SteppedOptimizer) -> None:
         """Wait for this rank's shard of the reduced gradients and show the pieces."""
-        if self._reduced.synchronized:
+        if self.reduced.synchronized:
             return
-        self._gather.finish()
+        self.gather.finish()
         self.submit_outstanding(opt)
-        collect = self._reduce_scatter.collect
-        shards = [collect(number) for number in range(len(self._params.buckets))]
-        self._reduce_scatter.end_pass(opt.backward_passes_per_step)
-        self._reduced.settle(shards, opt.param_groups)
+        collect = self.reduce_scatter.collect
+        shards = [collect(number) for number in range(len(self.params.buckets))]
+        self.reduce_scatter.end_pass(opt.backward_passes_per_step)
+        self.reduced.settle(shards, opt.param_groups)
 
     def reset(self, opt: SteppedOptimizer) -> None:
         """Forget a step in progress (load_state_dict, an elastic reset)."""
-        self._gather.finish_or_drop()
-        self._reduce_scatter.drop()
-        self._reduced.drop(opt.param_groups, sentinel=False)
-        self._reduce_scatter.end_pass(opt.backward_passes_per_step)
+        self.gather.finish_or_drop()
+        self.reduce_scatter.drop()
+        self.reduced.drop(opt.param_groups, sentinel=False)
+        self.reduce_scatter.end_pass(opt.backward_passes_per_step)
 
     # ------------------------------------------------------------------ the step
 
@@ -118,7 +119,7 @@ class ShardedStep:
         found_inf = getattr(opt, "found_inf", None)
         grad_scale = getattr(opt, "grad_scale", None)
         scaled = hasattr(opt, "found_inf")
-        reduced = self._reduced
+        reduced = self.reduced
         if scaled and not reduced.synchronized:
             # GradScaler removes these only after a step that returns.
             for attribute in ("found_inf", "grad_scale"):
@@ -141,8 +142,8 @@ class ShardedStep:
         """Update the shards bucket by bucket as their gradients arrive (unless hooks or a
         foreign optimizer ask for one update), allgathering each as soon as it is updated and
         writing each gathered bucket into the parameters as soon as it is in."""
-        params, gather = self._params, self._gather
-        collect = self._reduce_scatter.collect
+        params, gather = self.params, self.gather
+        collect = self.reduce_scatter.collect
         params.refresh()
         if not collected:
             self.submit_outstanding(opt)
@@ -164,16 +165,16 @@ class ShardedStep:
             self._update(opt, None)
             gathers = [(number, gather.start(number)) for number in numbers]
         if not collected:
-            self._reduce_scatter.end_pass(opt.backward_passes_per_step)
+            self.reduce_scatter.end_pass(opt.backward_passes_per_step)
         gather.place(gathers)
 
     def _steps_in_parts(self, opt: SteppedOptimizer) -> bool:
         """Whether the wrapped optimizer may run once per bucket: torch.optim's own classes
         (one parameter's update is independent of the others'), without step hooks (which
         would run once per bucket)."""
-        if len(self._params.buckets) < 2:
+        if len(self.params.buckets) < 2:
             return False
-        if not self._wrapped.__module__.startswith("torch.optim."):
+        if not self.wrapped.__module__.startswith("torch.optim."):
             return False
         return not (
             getattr(opt, "_optimizer_step_pre_hooks", None)
@@ -183,7 +184,7 @@ class ShardedStep:
 
     def _update(self, opt: SteppedOptimizer, buckets: list[int] | None) -> None:
         """Run the wrapped optimizer on this rank's pieces (of ``buckets``, or all)."""
-        groups = self._params.bucket_piece_groups(len(opt.param_groups), buckets)
+        groups = self.params.bucket_piece_groups(len(opt.param_groups), buckets)
         if not any(groups):
             return
         saved = [group["params"] for group in opt.param_groups]
@@ -194,7 +195,7 @@ class ShardedStep:
                 setattr(opt, k, None)
             for group, own in zip(opt.param_groups, groups):
                 group["params"] = own
-            self._wrapped.step(opt)
+            self.wrapped.step(opt)
         finally:
             for group, params in zip(opt.param_groups, saved):
                 group["params"] = params
@@ -206,16 +207,16 @@ class ShardedStep:
     def lay_out(self, opt: SteppedOptimizer) -> None:
         """Lay the shards out over the ranks there are now; each piece gets a view of its
         parameter's memory and fresh optimizer state."""
-        for tensor in self._params.pieces.values():
+        for tensor in self.params.pieces.values():
             opt.state.pop(tensor, None)
-        self._params.lay_out()
+        self.params.lay_out()
         self.fresh_state(opt)
 
     def relayout(self, opt: SteppedOptimizer) -> None:
         """Lay the shards out anew if the ranks changed, dropping this rank's state (the
         caller loads a consolidated state next)."""
-        self._gather.finish_or_drop()
-        if self._params.changed():
+        self.gather.finish_or_drop()
+        if self.params.changed():
             self.lay_out(opt)
 
     def reshard(self, opt: SteppedOptimizer) -> None:
@@ -228,11 +229,11 @@ class ShardedStep:
         """Give the pieces the state the wrapped class makes in its constructor (Adagrad's
         accumulators), by making one on each group's pieces with the group's options as
         arguments; most classes make theirs at the first step instead."""
-        if not self._eager_state:
+        if not self.eager_state:
             return
-        wrapped = self._wrapped
+        wrapped = self.wrapped
         accepted = inspect.signature(wrapped.__init__).parameters
-        for number, pieces in enumerate(self._params.piece_groups(len(opt.param_groups))):
+        for number, pieces in enumerate(self.params.piece_groups(len(opt.param_groups))):
             if not pieces:
                 continue
             options = {k: v for k, v in opt.param_groups[number].items() if k not in _NOT_OPTIONS}
