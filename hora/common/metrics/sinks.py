@@ -21,10 +21,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from hora.common.metrics.records import StepRecord, StepTiming
 from hora.common.vocabulary import safe_files
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
 
 # Event files reach the disk at least this often while steps are written (and at every close).
 FLUSH_INTERVAL_S = 2.0
@@ -54,48 +57,59 @@ class Metric:
     Attributes:
         tag: its TensorBoard tag (per step).
         prometheus: its Prometheus name (without ``_total`` for counters).
+        meaning: what it is, for the docs.
+        read: its value for one step, in Prometheus's unit (seconds, bytes, a count).
+        per_step: TensorBoard's unit per Prometheus's (1000: milliseconds for seconds).
         counter: whether Prometheus counts it up (a total over steps) rather than shows the
             last step's value.
-        meaning: what it is, for the docs.
-        value: its value in TensorBoard's unit, from a step's timing.
-        total: its increment in Prometheus's unit (seconds, bytes), for counters.
     """
 
     tag: str
     prometheus: str
-    counter: bool
     meaning: str
-    value: Callable[[StepTiming], float]
-    total: Callable[[StepTiming], float] | None = None
+    read: Callable[[StepTiming], float]
+    per_step: float = 1.0
+    counter: bool = True
 
+    def value(self, timing: StepTiming) -> float:
+        """Its value in TensorBoard's unit, from a step's timing."""
+        return self.read(timing) * self.per_step
+
+    @property
+    def total(self) -> Callable[[StepTiming], float] | None:
+        """Its increment in Prometheus's unit, for counters; ``None`` for the others."""
+        return self.read if self.counter else None
+
+
+# Seconds, shown in milliseconds per step.
+_MS = 1000.0
 
 METRICS: tuple[Metric, ...] = (
-    Metric("hora/step_time_ms", "hora_step_seconds", True,
+    Metric("hora/step_time_ms", "hora_step_seconds",
            "time from the end of the previous step to the end of this one",
-           lambda t: t.step_s * 1000, lambda t: t.step_s),
-    Metric("hora/comm_time_ms", "hora_communication_seconds", True,
+           lambda t: t.step_s, _MS),
+    Metric("hora/comm_time_ms", "hora_communication_seconds",
            "time in which at least one collective ran (collectives that overlap count once)",
-           lambda t: t.comm_s * 1000, lambda t: t.comm_s),
-    Metric("hora/comm_share", "hora_communication_share", False,
-           "communication time over step time (0 to 1)", lambda t: t.comm_share),
-    Metric("hora/backward_overlap_ms", "hora_backward_overlap_seconds", True,
+           lambda t: t.comm_s, _MS),
+    Metric("hora/comm_share", "hora_communication_share",
+           "communication time over step time (0 to 1)", lambda t: t.comm_share, counter=False),
+    Metric("hora/backward_overlap_ms", "hora_backward_overlap_seconds",
            "the part of communication time inside backward (first to last gradient)",
-           lambda t: t.overlap_s * 1000, lambda t: t.overlap_s),
-    Metric("hora/reduced_bytes", "hora_reduced_bytes", True,
+           lambda t: t.overlap_s, _MS),
+    Metric("hora/reduced_bytes", "hora_reduced_bytes",
            "bytes reduced by allreduce and reducescatter (gradients: their size in their dtype)",
-           lambda t: float(t.reduced_bytes), lambda t: float(t.reduced_bytes)),
-    Metric("hora/fusion_batches", "hora_fusion_batches", True,
+           lambda t: float(t.reduced_bytes)),
+    Metric("hora/fusion_batches", "hora_fusion_batches",
            "collectives run; a fused batch of many tensors counts once",
-           lambda t: float(t.batches), lambda t: float(t.batches)),
-    Metric("hora/fused_tensors", "hora_fused_tensors", True,
-           "tensors in those collectives",
-           lambda t: float(t.tensors), lambda t: float(t.tensors)),
-    Metric("hora/negotiation_ms", "hora_negotiation_seconds", True,
+           lambda t: float(t.batches)),
+    Metric("hora/fused_tensors", "hora_fused_tensors", "tensors in those collectives",
+           lambda t: float(t.tensors)),
+    Metric("hora/negotiation_ms", "hora_negotiation_seconds",
            "time the engine spent in negotiation exchanges (0 in the steady state)",
-           lambda t: t.negotiation_s * 1000, lambda t: t.negotiation_s),
-    Metric("hora/stall_ms", "hora_stall_seconds", True,
+           lambda t: t.negotiation_s, _MS),
+    Metric("hora/stall_ms", "hora_stall_seconds",
            "time in which negotiated calls waited for some ranks to submit them",
-           lambda t: t.stall_s * 1000, lambda t: t.stall_s),
+           lambda t: t.stall_s, _MS),
 )  # fmt: skip
 SAMPLES_TAG = "hora/samples_per_s"
 
@@ -180,7 +194,7 @@ class RecordFile:
         crc32c: the CRC-32C of a byte string.
     """
 
-    def __init__(self, file: Any, crc32c: Callable[[bytes], int]) -> None:
+    def __init__(self, file: IO[bytes], crc32c: Callable[[bytes], int]) -> None:
         self._file = file
         self._crc32c = crc32c
 
@@ -220,8 +234,8 @@ class PrometheusSink:
             raise missing_package("prometheus_client", "prometheus:PORT", rank, exc) from None
         self.registry = prometheus.CollectorRegistry(auto_describe=True)
         self.rank = str(rank)
-        self._counters: dict[str, Any] = {}
-        self._gauges: dict[str, Any] = {}
+        self._counters: dict[str, Counter] = {}
+        self._gauges: dict[str, Gauge] = {}
         for metric in METRICS:
             if metric.counter:
                 self._counters[metric.prometheus] = prometheus.Counter(
@@ -231,7 +245,7 @@ class PrometheusSink:
                 self._gauges[metric.prometheus] = prometheus.Gauge(
                     metric.prometheus, metric.meaning, ["rank"], registry=self.registry
                 ).labels(self.rank)
-        self._make_common(prometheus)
+        self._make_common(prometheus.Counter, prometheus.Gauge)
         self.address, self.port = address, port
         try:
             self._server, self._thread = prometheus.start_http_server(
@@ -240,25 +254,25 @@ class PrometheusSink:
         except OSError as exc:
             raise SinkUnavailable(_bind_problem(rank, address, port, exc)) from exc
 
-    def _make_common(self, prometheus: Any) -> None:
+    def _make_common(self, counter: type[Counter], gauge: type[Gauge]) -> None:
         """The metrics that do not come from the engine's timing."""
         labels = ["rank"]
         registry = self.registry
-        self._steps = prometheus.Counter(
+        self._steps = counter(
             "hora_steps", "steps ended on this rank", labels, registry=registry
         ).labels(self.rank)
-        self._last_step = prometheus.Gauge(
+        self._last_step = gauge(
             "hora_last_step_seconds", "the last step's time", labels, registry=registry
         ).labels(self.rank)
-        self._samples = prometheus.Counter(
+        self._samples = counter(
             "hora_samples", "samples the script reported (hvd.metrics.log_step)", labels,
             registry=registry,
         ).labels(self.rank)  # fmt: skip
-        self._rate = prometheus.Gauge(
+        self._rate = gauge(
             "hora_samples_per_second", "the last reported step's samples per second", labels,
             registry=registry,
         ).labels(self.rank)  # fmt: skip
-        self._scalars = prometheus.Gauge(
+        self._scalars = gauge(
             "hora_scalar", "the script's own values (hvd.metrics.log_step)", ["rank", "name"],
             registry=registry,
         )  # fmt: skip
