@@ -100,17 +100,25 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(shape) if shape is not None else None
 
 
-class ModelStateHandler(StateHandler):
+class _StateDictHandler(StateHandler):
+    """An object with ``state_dict()``: a snapshot is a deep copy of it, the first one taken as
+    the handler is made. (Each subclass keeps Horovod's name for its constructor's argument.)"""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self.save()
+
+    def capture(self) -> Any:
+        return copy.deepcopy(self.value.state_dict())
+
+
+class ModelStateHandler(_StateDictHandler):
     """``torch.nn.Module``: a deep copy of ``state_dict()``; checked (keys and shapes) and
     restored with ``load_state_dict``; synchronized with ``broadcast_parameters(state_dict(),
     0)``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        self.save()
-
-    def capture(self) -> Any:
-        return copy.deepcopy(self.value.state_dict())
 
     def check(self, snapshot: Any) -> None:
         current = self.value.state_dict()
@@ -136,7 +144,7 @@ class ModelStateHandler(StateHandler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
+class OptimizerStateHandler(_StateDictHandler):
     """``torch.optim.Optimizer``: a deep copy of ``state_dict()``; checked (parameter groups)
     and restored with ``load_state_dict`` (of a fresh copy, so later steps cannot change the
     snapshot); synchronized with ``broadcast_optimizer_state(optimizer, 0)``, which also gives an
@@ -144,10 +152,6 @@ class OptimizerStateHandler(StateHandler):
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
-        self.save()
-
-    def capture(self) -> Any:
-        return copy.deepcopy(self.value.state_dict())
 
     def check(self, snapshot: Any) -> None:
         groups = snapshot.get("param_groups") if isinstance(snapshot, dict) else None
@@ -190,16 +194,12 @@ class ShardedOptimizerStateHandler(OptimizerStateHandler):
         zero_state.sync_from_root(self.value, self.committed, root_rank=0)
 
 
-class SamplerStateHandler(StateHandler):
+class SamplerStateHandler(_StateDictHandler):
     """:class:`ElasticSampler`: a copy of ``state_dict()`` (epoch, processed samples); synchronized
     by broadcasting rank 0's ``state_dict()``; ``reset`` re-shards for the new job size."""
 
     def __init__(self, sampler: ElasticSampler) -> None:
         super().__init__(sampler)
-        self.save()
-
-    def capture(self) -> Any:
-        return copy.deepcopy(self.value.state_dict())
 
     def check(self, snapshot: Any) -> None:
         if not isinstance(snapshot, dict) or set(snapshot) != set(self.value.state_dict()):
