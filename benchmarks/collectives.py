@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -904,10 +903,7 @@ def worker(args: argparse.Namespace) -> None:
     # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
     timer = Comparison(settle_s=max(0.05, 10 * cycle_time_ms / 1000))
     results: dict[str, Any] = {
-        "hora_version": hora.__version__,
-        "hora_revision": harness.source_revision() if rank == 0 else None,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
+        **harness.versions(rank == 0),
         "world_size": size,
         "cpus": os.cpu_count(),
         "load_before": load_before,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -265,10 +264,7 @@ def measure(repeats: int) -> dict[str, Any]:
         for kind, runs in samples.items()
     }
     return {
-        "hora_version": hora.__version__,
-        "hora_revision": harness.source_revision(),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
+        **harness.versions(),
         **harness.run_facts(),
         "np": NP,
         "steps": STEPS,

@@ -119,6 +119,17 @@ def slowest_rank(times: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def versions(revision: bool = True) -> dict[str, str | None]:
+    """What was measured, for a benchmark's results: hora's version and commit (``None`` when
+    not ``revision``: a rank other than 0 leaves git alone), torch's and Python's."""
+    return {
+        "hora_version": hora.__version__,
+        "hora_revision": source_revision() if revision else None,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+    }
+
+
 def source_revision() -> str | None:
     """The git commit of the hora checkout being measured (``None`` outside a git checkout)."""
     try:

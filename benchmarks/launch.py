@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,10 +30,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-
-import hora
 
 # The benchmarks' shared helpers live beside this file.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -182,10 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     cases = [measure(case, args.np, args.repeats, args.warmup) for case in CASES]
     results: dict[str, Any] = {
-        "hora_version": hora.__version__,
-        "hora_revision": harness.source_revision(),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
+        **harness.versions(),
         "np": args.np,
         "repeats": args.repeats,
         "cpus": os.cpu_count(),

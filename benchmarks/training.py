@@ -64,7 +64,6 @@ import argparse
 import inspect
 import itertools
 import os
-import platform
 import statistics
 import sys
 import time
@@ -78,7 +77,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import hora
 import hora.torch as hvd
 from hora.common import basics
 from hora.common.vocabulary.config import Settings
@@ -765,10 +763,7 @@ def worker(args: argparse.Namespace) -> None:
     # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
     timer = Alternation(settle_s=max(0.05, 10 * settings.cycle_time_ms / 1000))
     results: dict[str, Any] = {
-        "hora_version": hora.__version__,
-        "hora_revision": harness.source_revision() if rank == 0 else None,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
+        **harness.versions(rank == 0),
         **harness.run_facts(),
         "world_size": size,
         "cpus": os.cpu_count(),

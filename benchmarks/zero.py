@@ -67,7 +67,6 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -83,7 +82,6 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-import hora
 import hora.torch as hvd
 from hora.common import basics
 from hora.torch import ops
@@ -483,10 +481,7 @@ def worker(args: argparse.Namespace) -> None:
     peak_rss_reset()
     BASELINE.append(rss_bytes())
     results: dict[str, Any] = {
-        "hora_version": hora.__version__,
-        "hora_revision": harness.source_revision() if rank == 0 else None,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
+        **harness.versions(rank == 0),
         **harness.run_facts(),
         "world_size": size,
         "cpus": os.cpu_count(),
