@@ -22,30 +22,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 from hora.common.job.store_protocol import (
-    ADD,
-    CHECK,
-    COMPARE_SET,
-    DELETE,
-    ERROR,
-    GET,
     GREETING,
     LENGTH,
-    MAX_MESSAGE,
-    MULTI_GET,
-    MULTI_SET,
+    MAX_SEALED,
     NONCE_BYTES,
-    NUM_KEYS,
     PROOF_BYTES,
     REFUSED,
-    SET,
-    TIMEOUT,
-    TO_CLIENT,
-    TO_SERVER,
-    WAIT,
+    Op,
     Seal,
+    Status,
     StoreAuthenticationError,
     StoreConnectionError,
     StoreTimeout,
@@ -56,7 +44,7 @@ from hora.common.job.store_protocol import (
     int_of,
     pack,
     proof_for,
-    session_key,
+    session_seals,
     unpack,
 )
 
@@ -183,8 +171,7 @@ class StoreConnection:
                 "secret: another process may have taken the store's port"
             )
         self._sock.settimeout(None)
-        session = session_key(key, server_nonce, client_nonce)
-        return Seal(session, TO_CLIENT), Seal(session, TO_SERVER)
+        return session_seals(key, server_nonce, client_nonce, server=False)
 
     def _receive_until_closed(self, count: int) -> bytes:
         """Up to ``count`` bytes: fewer when the server closes the connection first."""
@@ -216,7 +203,7 @@ class StoreConnection:
             try:
                 self._sock.sendall(self._sealer.seal(pack(op, *fields)))
                 (length,) = LENGTH.unpack(self._receive(LENGTH.size))
-                if length > MAX_MESSAGE + 64:
+                if length > MAX_SEALED:
                     raise StoreAuthenticationError("the store sent an oversized message")
                 status, answer = unpack(self._opener.open(self._receive(length)))
             except OSError as exc:
@@ -225,7 +212,7 @@ class StoreConnection:
                 raise StoreConnectionError(
                     f"lost the connection to the store at {self.addr}:{self.port}: {exc}"
                 ) from exc
-        if status == ERROR:
+        if status == Status.ERROR:
             raise RuntimeError(answer[0].decode(errors="replace"))
         return status, answer
 
@@ -257,7 +244,7 @@ class StoreConnection:
             status, values = self._call(op, int_field(ms), *names, wait_s=ms / 1000)
         else:
             status, values = self._waited_in_slices(op, names, ms, check)
-        if status == TIMEOUT:
+        if status == Status.TIMEOUT:
             raise StoreTimeout(
                 f"timed out after {ms / 1000:g} s waiting for store keys {list(keys)[:4]}"
             )
@@ -273,7 +260,7 @@ class StoreConnection:
             left_ms = max(1, int((deadline - time.monotonic()) * 1000))
             slice_ms = min(left_ms, int(WAIT_SLICE_S * 1000))
             status, values = self._call(op, int_field(slice_ms), *names, wait_s=slice_ms / 1000)
-            if status != TIMEOUT or slice_ms == left_ms:
+            if status != Status.TIMEOUT or slice_ms == left_ms:
                 return status, values
             reason = check()
             if reason:
@@ -282,40 +269,42 @@ class StoreConnection:
     # The operations, with torch.distributed.Store's names and signatures.
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(SET, key.encode(), bytes_field(value))
+        self._call(Op.SET, key.encode(), bytes_field(value))
 
     def get(self, key: str) -> bytes:
-        return self._waited(GET, [key], None)[0]
+        return self._waited(Op.GET, [key], None)[0]
 
     def get_within(self, key: str, timeout: timedelta) -> bytes:
         """``get``, waiting at most ``timeout`` for the key (``StoreTimeout`` after that)."""
-        return self._waited(GET, [key], timeout)[0]
+        return self._waited(Op.GET, [key], timeout)[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._waited(MULTI_GET, keys, None)
+        return self._waited(Op.MULTI_GET, keys, None)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         fields = [f for k, v in zip(keys, values) for f in (k.encode(), bytes_field(v))]
-        self._call(MULTI_SET, *fields)
+        self._call(Op.MULTI_SET, *fields)
 
     def add(self, key: str, value: int) -> int:
-        return int_of(self._call(ADD, key.encode(), int_field(value))[1][0])
+        return int_of(self._call(Op.ADD, key.encode(), int_field(value))[1][0])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        answer = self._call(COMPARE_SET, key.encode(), bytes_field(expected), bytes_field(desired))
+        answer = self._call(
+            Op.COMPARE_SET, key.encode(), bytes_field(expected), bytes_field(desired)
+        )
         return answer[1][0]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._waited(WAIT, keys, timeout)
+        self._waited(Op.WAIT, keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
-        return bool(int_of(self._call(CHECK, *(k.encode() for k in keys))[1][0]))
+        return bool(int_of(self._call(Op.CHECK, *(k.encode() for k in keys))[1][0]))
 
     def delete_key(self, key: str) -> bool:
-        return bool(int_of(self._call(DELETE, key.encode())[1][0]))
+        return bool(int_of(self._call(Op.DELETE, key.encode())[1][0]))
 
     def num_keys(self) -> int:
-        return int_of(self._call(NUM_KEYS)[1][0])
+        return int_of(self._call(Op.NUM_KEYS)[1][0])
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout_s = timeout.total_seconds()
@@ -323,5 +312,5 @@ class StoreConnection:
     def close(self) -> None:
         self._sock.close()
 
-    def __getstate__(self) -> Any:
+    def __getstate__(self) -> NoReturn:
         raise TypeError("a store connection cannot be pickled; connect again in the new process")

@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
+from enum import IntEnum
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -37,14 +38,34 @@ PROOF_BYTES = 32
 REFUSED = b"hora-store/refused\n"
 # The largest message (a hora.run payload travels through the store).
 MAX_MESSAGE = 1 << 30
+# The longest sealed message either side takes: the largest message, its tag, and a margin.
+MAX_SEALED = MAX_MESSAGE + 64
 # A sealed message's length, in front of it.
 LENGTH = struct.Struct("<I")
 TO_SERVER, TO_CLIENT = b"c2s\0", b"s2c\0"
 
-# Operations.
-SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, MULTI_GET, MULTI_SET = range(10)
-# Answers.
-OK, TIMEOUT, ERROR = range(3)
+
+class Op(IntEnum):
+    """A request's operation (the first byte of its message)."""
+
+    SET = 0
+    GET = 1
+    ADD = 2
+    COMPARE_SET = 3
+    CHECK = 4
+    WAIT = 5
+    DELETE = 6
+    NUM_KEYS = 7
+    MULTI_GET = 8
+    MULTI_SET = 9
+
+
+class Status(IntEnum):
+    """An answer's status (the first byte of its message)."""
+
+    OK = 0
+    TIMEOUT = 1
+    ERROR = 2
 
 
 class StoreAuthenticationError(RuntimeError):
@@ -79,6 +100,16 @@ def proof_for(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
 def session_key(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     """The key one connection's messages are sealed with."""
     return hmac.new(key, b"session" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def session_seals(
+    key: bytes, server_nonce: bytes, client_nonce: bytes, *, server: bool
+) -> tuple[Seal, Seal]:
+    """One side's (opener, sealer) of a connection whose handshake exchanged these nonces: each
+    side opens what the other sealed."""
+    session = session_key(key, server_nonce, client_nonce)
+    incoming, outgoing = (TO_SERVER, TO_CLIENT) if server else (TO_CLIENT, TO_SERVER)
+    return Seal(session, incoming), Seal(session, outgoing)
 
 
 class Seal:

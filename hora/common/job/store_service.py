@@ -31,35 +31,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hora.common.job.store_protocol import (
-    ADD,
-    CHECK,
-    COMPARE_SET,
-    DELETE,
-    ERROR,
-    GET,
     GREETING,
     LENGTH,
-    MAX_MESSAGE,
-    MULTI_GET,
-    MULTI_SET,
+    MAX_SEALED,
     NONCE_BYTES,
-    NUM_KEYS,
-    OK,
     PROOF_BYTES,
     REFUSED,
-    SET,
-    TIMEOUT,
-    TO_CLIENT,
-    TO_SERVER,
-    WAIT,
+    Op,
     Seal,
+    Status,
     StoreAuthenticationError,
     auth_key,
     int_field,
     int_of,
     pack,
     proof_for,
-    session_key,
+    session_seals,
     unpack,
 )
 
@@ -263,15 +250,15 @@ class StoreServer:
                 with contextlib.suppress(OSError):
                     connection.sock.send(REFUSED)
                 raise ValueError("wrong proof")
-            session = session_key(self._key, connection.server_nonce, client_nonce)
-            connection.opener = Seal(session, TO_SERVER)
-            connection.sealer = Seal(session, TO_CLIENT)
+            connection.opener, connection.sealer = session_seals(
+                self._key, connection.server_nonce, client_nonce, server=True
+            )
             connection.outbox += proof_for(
                 self._key, b"server", client_nonce, connection.server_nonce
             )
         while connection.waiting is None and len(connection.inbox) >= LENGTH.size:
             (length,) = LENGTH.unpack_from(connection.inbox)
-            if length > MAX_MESSAGE + 64:
+            if length > MAX_SEALED:
                 raise ValueError(f"a store message of {length} bytes is too large")
             if len(connection.inbox) < LENGTH.size + length:
                 return
@@ -281,7 +268,7 @@ class StoreServer:
             self._handle(connection, op, fields)
 
     def _handle(self, connection: _Peer, op: int, fields: list[bytes]) -> None:
-        if op in (GET, WAIT, MULTI_GET):
+        if op in (Op.GET, Op.WAIT, Op.MULTI_GET):
             timeout_ms = int_of(fields[0])
             deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms > 0 else float("inf")
             connection.waiting = (op, fields[1:], deadline)
@@ -289,10 +276,10 @@ class StoreServer:
             return
         operation = self._OPERATIONS.get(op)
         if operation is None:
-            self._reply(connection, ERROR, f"unknown store operation {op}".encode())
+            self._reply(connection, Status.ERROR, f"unknown store operation {op}".encode())
             return
         changed, answer = operation(self, fields)
-        self._reply(connection, OK, *answer)
+        self._reply(connection, Status.OK, *answer)
         if changed:
             # The writer's answer leaves before any waiter's: a waiter may be a process that
             # exits once it has its answer (the host lingering for its peers), taking this
@@ -334,13 +321,13 @@ class StoreServer:
         return False, [int_field(len(self._data))]
 
     _OPERATIONS: dict[int, Callable[[StoreServer, list[bytes]], tuple[bool, list[bytes]]]] = {
-        SET: _set,
-        MULTI_SET: _multi_set,
-        ADD: _add,
-        COMPARE_SET: _compare_set,
-        CHECK: _check,
-        DELETE: _delete,
-        NUM_KEYS: _num_keys,
+        Op.SET: _set,
+        Op.MULTI_SET: _multi_set,
+        Op.ADD: _add,
+        Op.COMPARE_SET: _compare_set,
+        Op.CHECK: _check,
+        Op.DELETE: _delete,
+        Op.NUM_KEYS: _num_keys,
     }
 
     def _answer_waiting(self, connection: _Peer) -> bool:
@@ -348,12 +335,12 @@ class StoreServer:
         op, keys, deadline = connection.waiting
         if all(k in self._data for k in keys):
             connection.waiting = None
-            values = [self._data[k] for k in keys] if op != WAIT else []
-            self._reply(connection, OK, *values)
+            values = [self._data[k] for k in keys] if op != Op.WAIT else []
+            self._reply(connection, Status.OK, *values)
             return True
         if time.monotonic() >= deadline:
             connection.waiting = None
-            self._reply(connection, TIMEOUT)
+            self._reply(connection, Status.TIMEOUT)
             return True
         return False
 
