@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from hora.common.job.launcher_reading import (
     DERIVED_PORT_HIGH,
@@ -69,6 +70,32 @@ __all__ = [
 ]
 
 
+def _torch_variables(env: Mapping[str, str], launcher: str, local_required: bool) -> Reading:
+    """This process as torch.distributed's variables place it (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), before its launcher says where the store is."""
+    rank = integer_variable(env, "RANK", launcher)
+    size = integer_variable(env, "WORLD_SIZE", launcher)
+    if local_required:
+        local_rank: int | None = integer_variable(env, "LOCAL_RANK", launcher)
+        local_size: int | None = integer_variable(env, "LOCAL_WORLD_SIZE", launcher)
+    else:
+        local_rank = optional_integer_variable(env, "LOCAL_RANK", launcher)
+        local_size = optional_integer_variable(env, "LOCAL_WORLD_SIZE", launcher)
+    return Reading(
+        launcher=launcher,
+        rank=rank,
+        size=size,
+        rank_var="RANK",
+        size_var="WORLD_SIZE",
+        local_rank=local_rank,
+        local_size=local_size,
+        cross_rank=None,
+        cross_size=None,
+        hostname=socket.gethostname(),
+        plan=StorePlan(),
+    )
+
+
 def read_torchrun(env: Mapping[str, str]) -> Reading | None:
     """torchrun (``torch.distributed.run``): present when ``TORCHELASTIC_RUN_ID`` is set.
 
@@ -79,10 +106,8 @@ def read_torchrun(env: Mapping[str, str]) -> Reading | None:
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
     launcher = "torchrun"
-    rank = integer_variable(env, "RANK", launcher)
-    size = integer_variable(env, "WORLD_SIZE", launcher)
-    local_rank = integer_variable(env, "LOCAL_RANK", launcher)
-    local_size = integer_variable(env, "LOCAL_WORLD_SIZE", launcher)
+    place = _torch_variables(env, launcher, local_required=True)
+    size, local_size = place.size, place.local_size
     group_rank = optional_integer_variable(env, "GROUP_RANK", launcher)
     group_size = optional_integer_variable(env, "GROUP_WORLD_SIZE", launcher)
     if group_size is None and local_size and size % local_size == 0:
@@ -99,7 +124,7 @@ def read_torchrun(env: Mapping[str, str]) -> Reading | None:
     plan = StorePlan(
         addr=addr,
         port=port,
-        host=not agent_store and rank == 0,
+        host=not agent_store and place.rank == 0,
         shared=agent_store,
         prefix=f"hora/{run_id}/",
         job_id=f"torchrun-{run_id}",
@@ -109,20 +134,9 @@ def read_torchrun(env: Mapping[str, str]) -> Reading | None:
             else f"a store started by rank 0 at MASTER_ADDR:MASTER_PORT={addr}:{port}"
         ),
     )
-    return Reading(
-        launcher=launcher,
-        rank=rank,
-        size=size,
-        rank_var="RANK",
-        size_var="WORLD_SIZE",
-        local_rank=local_rank,
-        local_size=local_size,
-        # torchrun gives every node the same number of workers.
-        cross_rank=group_rank,
-        cross_size=group_size,
-        hostname=socket.gethostname(),
-        plan=plan,
-        group_size=group_size,
+    # torchrun gives every node the same number of workers.
+    return replace(
+        place, cross_rank=group_rank, cross_size=group_size, plan=plan, group_size=group_size
     )
 
 
@@ -134,11 +148,8 @@ def read_env_method(env: Mapping[str, str]) -> Reading | None:
     """
     if "WORLD_SIZE" not in env or "RANK" not in env:
         return None
-    launcher = "torch.distributed env:// variables"
-    rank = integer_variable(env, "RANK", launcher)
-    size = integer_variable(env, "WORLD_SIZE", launcher)
-    local_rank = optional_integer_variable(env, "LOCAL_RANK", launcher)
-    local_size = optional_integer_variable(env, "LOCAL_WORLD_SIZE", launcher)
+    place = _torch_variables(env, "torch.distributed env:// variables", local_required=False)
+    rank, size = place.rank, place.size
     plan = StorePlan()
     if size > 1:
         addr = env.get("MASTER_ADDR", "")
@@ -157,18 +168,11 @@ def read_env_method(env: Mapping[str, str]) -> Reading | None:
             exchange=True,
             how=f"a store started by rank 0 at MASTER_ADDR:MASTER_PORT={addr}:{port}",
         )
-    all_local = local_size == size
-    return Reading(
-        launcher=launcher,
-        rank=rank,
-        size=size,
-        rank_var="RANK",
-        size_var="WORLD_SIZE",
-        local_rank=local_rank,
-        local_size=local_size,
+    all_local = place.local_size == size
+    return replace(
+        place,
         cross_rank=0 if all_local else None,
         cross_size=1 if all_local else None,
-        hostname=socket.gethostname(),
         plan=plan,
     )
 
