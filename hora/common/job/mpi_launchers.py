@@ -19,7 +19,7 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from types import ModuleType
 
 from hora.common.job.launcher_reading import (
     LauncherError,
@@ -232,7 +232,7 @@ def mpi4py_usable(launcher: str) -> bool:
     return matches
 
 
-def import_mpi() -> Any:
+def import_mpi() -> ModuleType:
     """``mpi4py.MPI``, imported without initializing MPI (hora initializes it once it knows
     it is the launcher's MPI, and finalizes it at exit)."""
     if "mpi4py.MPI" not in sys.modules:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store as _Store
@@ -117,5 +117,5 @@ class TorchStore(_Store):
     def close(self) -> None:
         self.connection.close()
 
-    def __getstate__(self) -> Any:
+    def __getstate__(self) -> NoReturn:
         raise TypeError("a store connection cannot be pickled; connect again in the new process")
