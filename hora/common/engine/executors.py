@@ -103,17 +103,26 @@ def _inputs(run: Run) -> list[torch.Tensor]:
     return inputs
 
 
-class Allreduce:
+class _OneKind:
+    """An executor of every batch of one kind of request (``kind``)."""
+
+    kind: RequestType
+    # See Executor.traces_itself.
+    traces_itself = False
+
+    def enabled(self, response: Response) -> bool:
+        return response.kind == self.kind
+
+
+class Allreduce(_OneKind):
     """A fused allreduce (Sum, Average, Min, Max, Product), completed on the finisher thread.
 
     The engine goes on negotiating (and starting) the next batches while this one is on the
     wire, as gradients of earlier layers arrive during backward.
     """
 
+    kind = RequestType.ALLREDUCE
     traces_itself = True
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.ALLREDUCE
 
     def execute(self, run: Run) -> None:
         context = run.context
@@ -218,13 +227,10 @@ class AdasumAllreduce:
             tracer.collective(run.entries, "ADASUM", run.number, times, nbytes, run.host_comm.path)
 
 
-class Allgather:
+class Allgather(_OneKind):
     """Concatenates every member's tensor along dimension 0 (first dimensions may differ)."""
 
-    traces_itself = False
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.ALLGATHER
+    kind = RequestType.ALLGATHER
 
     def execute(self, run: Run) -> None:
         entry = run.entry
@@ -251,13 +257,10 @@ class Allgather:
         finish(entry, output.to(tensor.device))
 
 
-class Broadcast:
+class Broadcast(_OneKind):
     """Copies the root member's tensor to every member (``root_rank`` is a global rank)."""
 
-    traces_itself = False
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.BROADCAST
+    kind = RequestType.BROADCAST
 
     def execute(self, run: Run) -> None:
         entry = run.entry
@@ -274,13 +277,10 @@ class Broadcast:
         finish(entry, output)
 
 
-class Alltoall:
+class Alltoall(_OneKind):
     """Sends each member its rows (``splits``, or equal parts) and gathers what they send."""
 
-    traces_itself = False
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.ALLTOALL
+    kind = RequestType.ALLTOALL
 
     def execute(self, run: Run) -> None:
         entry = run.entry
@@ -315,14 +315,11 @@ class Alltoall:
         finish(entry, (output.to(tensor.device), received))
 
 
-class Reducescatter:
+class Reducescatter(_OneKind):
     """Reduces across members, then gives each its rows of dimension 0 (the first
     ``rows % members`` members get one more)."""
 
-    traces_itself = False
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.REDUCESCATTER
+    kind = RequestType.REDUCESCATTER
 
     def execute(self, run: Run) -> None:
         entry = run.entry
@@ -352,26 +349,22 @@ class Reducescatter:
         finish(entry, result)
 
 
-class Barrier:
+class Barrier(_OneKind):
     """Every member submitted it, so negotiation itself was the barrier: finish the handle."""
 
+    kind = RequestType.BARRIER
     traces_itself = True  # no collective to show
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.BARRIER
 
     def execute(self, run: Run) -> None:
         if run.entry is not None:
             finish(run.entry, None)
 
 
-class Join:
+class Join(_OneKind):
     """Every rank joined: finish the handle with the rank that joined last."""
 
+    kind = RequestType.JOIN
     traces_itself = True  # no collective to show
-
-    def enabled(self, response: Response) -> bool:
-        return response.kind == RequestType.JOIN
 
     def execute(self, run: Run) -> None:
         if run.entry is not None:
