@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -181,8 +182,4 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def offsets(sizes: Sequence[int]) -> list[int]:
     """Where each of consecutive blocks of ``sizes`` bytes starts."""
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += size
-    return starts
+    return list(accumulate(sizes, initial=0))[:-1]
