@@ -6,10 +6,20 @@ ranks. It does not create communicators; the engine asks the transport for one p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from hora.common.vocabulary.errors import NOT_INITIALIZED
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from typing_extensions import TypeIs
+
+
+def is_mpi_communicator(value: object) -> TypeIs[MPI.Comm]:
+    """Whether ``value`` is an mpi4py communicator (told by what it offers: hora imports mpi4py
+    only where MPI plays a part)."""
+    return hasattr(value, "Get_rank") and hasattr(value, "Get_group") and hasattr(value, "Dup")
 
 
 class ProcessSet:
@@ -31,13 +41,14 @@ class ProcessSet:
         ...     hvd.allreduce(x, process_set=evens)
     """
 
-    def __init__(self, ranks_or_comm: Iterable[int] | Any) -> None:
-        self.mpi_comm: Any = None
-        ranks = ranks_or_comm
-        if hasattr(ranks, "Get_rank") and hasattr(ranks, "Get_group"):
+    def __init__(self, ranks_or_comm: Iterable[int] | MPI.Comm) -> None:
+        self.mpi_comm: MPI.Comm | None = None
+        if is_mpi_communicator(ranks_or_comm):
             # An mpi4py communicator: its members are the global ranks it contains.
-            self.mpi_comm = ranks
-            ranks = mpi_comm_ranks(ranks)
+            self.mpi_comm = ranks_or_comm
+            ranks: Iterable[int] = mpi_comm_ranks(ranks_or_comm)
+        else:
+            ranks = ranks_or_comm
         members = [int(r) for r in ranks]
         if len(set(members)) != len(members):
             raise ValueError(f"ProcessSet ranks must be distinct, got {members}.")
@@ -125,7 +136,7 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-def mpi_comm_ranks(comm: Any, reference: Any = None) -> list[int]:
+def mpi_comm_ranks(comm: MPI.Comm, reference: MPI.Comm | None = None) -> list[int]:
     """The ranks that the processes of the mpi4py communicator ``comm`` have in ``reference``
     (the job's communicator; ``MPI_COMM_WORLD`` when ``None``).
 
@@ -196,20 +207,9 @@ class ProcessSetTable:
         return sorted(self._members)
 
 
-# Horovod's horovod.common.process_sets also holds add_process_set and remove_process_set. hora
-# registers sets in hora.common.startup.registration, which builds on this module; for scripts that
-# import them from here, the two names are looked up in it on first use, by name, so that this
-# module never imports it (no import cycle).
-_REGISTRATION = {
-    "add_process_set": "register_process_set",
-    "remove_process_set": "unregister_process_set",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _REGISTRATION:
-        import importlib
-
-        registration = importlib.import_module("hora.common.startup.registration")
-        return getattr(registration, _REGISTRATION[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Horovod's horovod.common.process_sets also holds add_process_set and remove_process_set. They
+# register sets through the running session, which stands on this module, so they are
+# hora.common.startup.registration's: that module hands them to this one when it loads (every
+# framework adapter and hvd.init load it), and this module imports nothing of it.
+add_process_set: Callable[[ProcessSet | list[int]], ProcessSet]
+remove_process_set: Callable[[ProcessSet], bool]

@@ -10,14 +10,18 @@ their ids in the running session; the engine keeps the table the collectives use
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from hora.common import process_sets as horovod_process_sets
 from hora.common.job.topology import Topology
 from hora.common.process_sets import ProcessSet, global_process_set, mpi_comm_ranks
 from hora.common.runtime import Session, session
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
-def translate_mpi_sets(sets: list[ProcessSet], job_comm: Any) -> list[ProcessSet]:
+
+def translate_mpi_sets(sets: list[ProcessSet], job_comm: MPI.Comm | None) -> list[ProcessSet]:
     """Process sets made from mpi4py communicators get the ranks they have in ``job_comm``."""
     if job_comm is not None:
         for process_set in sets:
@@ -58,7 +62,7 @@ def _distinct(gathered: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
 
 
 def registered_lists(
-    sets: list[ProcessSet], size: int, job_comm: Any
+    sets: list[ProcessSet], size: int, job_comm: MPI.Comm | None
 ) -> tuple[list[tuple[int, ...]], list[int]]:
     """The member lists every rank registers at ``init``, and where each of ``sets`` is
     among them."""
@@ -156,3 +160,9 @@ def unregister_process_set(process_set: ProcessSet) -> bool:
     current.process_sets.pop(process_set.process_set_id, None)
     process_set._unbind()
     return True
+
+
+# Horovod's horovod.common.process_sets holds these two under its own names: hora's module of
+# that path declares them, and they are set here, where the session they need is known.
+horovod_process_sets.add_process_set = register_process_set
+horovod_process_sets.remove_process_set = unregister_process_set
