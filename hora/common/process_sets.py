@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 
-def is_mpi_communicator(value: object) -> TypeIs[MPI.Comm]:
-    """Whether ``value`` is an mpi4py communicator (told by what it offers: hora imports mpi4py
-    only where MPI plays a part)."""
+def is_mpi_communicator(value: object) -> TypeIs[MPI.Intracomm]:
+    """Whether ``value`` is an mpi4py communicator, as ``hvd.init(comm=...)`` and
+    :class:`ProcessSet` take (told by what it offers: hora imports mpi4py only where MPI plays
+    a part)."""
     return hasattr(value, "Get_rank") and hasattr(value, "Get_group") and hasattr(value, "Dup")
 
 
@@ -41,8 +42,8 @@ class ProcessSet:
         ...     hvd.allreduce(x, process_set=evens)
     """
 
-    def __init__(self, ranks_or_comm: Iterable[int] | MPI.Comm) -> None:
-        self.mpi_comm: MPI.Comm | None = None
+    def __init__(self, ranks_or_comm: Iterable[int] | MPI.Intracomm) -> None:
+        self.mpi_comm: MPI.Intracomm | None = None
         if is_mpi_communicator(ranks_or_comm):
             # An mpi4py communicator: its members are the global ranks it contains.
             self.mpi_comm = ranks_or_comm

@@ -19,7 +19,8 @@ import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from hora.common import metrics
 from hora.common.engine import Engine
@@ -56,6 +57,11 @@ from hora.common.vocabulary.config import (
     start_timeout_s,
     timeline_path,
 )
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from hora.common.startup.wiring import JobComm
 
 logger = logging.getLogger("hora")
 
@@ -117,7 +123,7 @@ def _collector_paused(state: Runtime) -> Iterator[None]:
             gc.enable()
 
 
-def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
+def init(comm: JobComm | None = None, process_sets: list[ProcessSet] | str | None = None) -> None:
     """Start hora in this process: join the job's other processes and start the engine.
 
     Args:
@@ -152,7 +158,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         _start_session(state, comm, process_sets)
 
 
-def _start_session(state: Runtime, comm: Any, process_sets: list[ProcessSet] | str | None) -> None:
+def _start_session(
+    state: Runtime, comm: JobComm | None, process_sets: list[ProcessSet] | str | None
+) -> None:
     """Join the job and start a session; in an elastic job, again in the next round for as long
     as the round joined is lost while its workers connect (one of them died, say)."""
     dynamic = process_sets == "dynamic"
@@ -202,7 +210,9 @@ def _round_lost_while_joining(
     return True
 
 
-def _open_session(state: Runtime, settings: Settings, comm: Any, sets: list[ProcessSet]) -> None:
+def _open_session(
+    state: Runtime, settings: Settings, comm: JobComm | None, sets: list[ProcessSet]
+) -> None:
     topology, store, generation, mpi_comm = _join_job(state, settings, comm)
     sets = translate_mpi_sets(sets, mpi_comm)
     registered, positions = registered_lists(sets, topology.size, mpi_comm)
@@ -235,8 +245,8 @@ def _open_session(state: Runtime, settings: Settings, comm: Any, sets: list[Proc
 
 
 def _join_job(
-    state: Runtime, settings: Settings, comm: Any
-) -> tuple[Topology, StoreClient, int, Any]:
+    state: Runtime, settings: Settings, comm: JobComm | None
+) -> tuple[Topology, StoreClient, int, MPI.Intracomm | None]:
     """Where this process runs, the job's store, the generation of its keys, and the job's MPI
     communicator (``None`` when MPI plays no part), once every rank is known to hold the same
     settings where they must (:func:`agree_on_settings`)."""
@@ -258,6 +268,7 @@ def _join_job(
     mpi_comm = None
     if comm is not None:
         mpi_comm = mpi_job_comm(comm, mpi)
+        assert mpi_comm is not None  # mpi_library gave MPI (or raised) for the comm given
         topology = sub_job(topology, mpi_comm)
     # Under horarun the store is the launcher's; under other launchers rank 0 (or the
     # launcher) hosts it and local/cross ranks may still need an exchange.
@@ -284,7 +295,9 @@ def _install_exit_hooks(state: Runtime) -> None:
     atexit.register(_shutdown_at_exit)
     previous_hook = sys.excepthook
 
-    def _record_uncaught(kind: Any, value: Any, tb: Any) -> None:
+    def _record_uncaught(
+        kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
         state.exit_cause = f"{kind.__name__}: {value}"
         previous_hook(kind, value, tb)
 

@@ -20,16 +20,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hora.common.job.launchers import mpi_identity
 from hora.common.job.store import AuthenticationError, StoreClient, tampering
 from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.store_protocol import StoreWaitEnded
 from hora.common.job.topology import Topology
-from hora.common.transport import Communicator, TransportError, prove_peers
+from hora.common.process_sets import is_mpi_communicator
+from hora.common.transport import (
+    Communicator,
+    CommunicatorFactory,
+    DeviceCommunicatorFactory,
+    TransportError,
+    prove_peers,
+)
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.config import (
     AGREED_SETTINGS,
@@ -40,12 +48,26 @@ from hora.common.vocabulary.config import (
 )
 from hora.common.vocabulary.errors import HoraInternalError
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+    from mpi4py import MPI
+
+    from hora.common.transport.mpi import MPILibrary
+
+    # What ``hvd.init(comm=...)`` takes: an mpi4py communicator, or ``MPI_COMM_WORLD`` ranks.
+    JobComm: TypeAlias = "MPI.Intracomm | Sequence[int]"
+
 logger = logging.getLogger("hora")
 
 
 def cpu_communicators(
-    topology: Topology, settings: Settings, store: StoreClient, mpi_comm: Any = None
-) -> Any:
+    topology: Topology,
+    settings: Settings,
+    store: StoreClient,
+    mpi_comm: MPI.Intracomm | None = None,
+) -> CommunicatorFactory:
     """Builds the communicators of the job's process sets and of its control plane.
 
     With ``HORA_CPU_OPERATIONS=mpi`` every one of them is an MPI communicator of its own, made
@@ -55,6 +77,8 @@ def cpu_communicators(
     opens no Gloo connections at all. Its own communicator keeps it apart from the data.
     """
     if settings.cpu_operations == "mpi":
+        # mpi_library and mpi_job_comm made the job's communicator: MPI carries the data.
+        assert mpi_comm is not None
         return _mpi_factory(topology, settings, store, mpi_comm)
     from hora.common.transport.gloo import GlooCommunicator, make_device, raise_open_file_limit
 
@@ -94,7 +118,7 @@ def _proved(comm: Communicator, store: StoreClient, scope: str) -> Communicator:
     return comm
 
 
-def gpu_communicators(settings: Settings, store: StoreClient) -> Any:
+def gpu_communicators(settings: Settings, store: StoreClient) -> DeviceCommunicatorFactory | None:
     """Builds the NCCL communicators that move CUDA tensors (``HORA_GPU_OPERATIONS=nccl``), or
     ``None`` where CUDA tensors go through host memory (``host``, or a torch without NCCL).
 
@@ -116,7 +140,7 @@ def gpu_communicators(settings: Settings, store: StoreClient) -> Any:
 
     longest_s = steady_batch_timeout_s(settings)
 
-    def factory(scope: str, rank: int, size: int, device: Any) -> Communicator | None:
+    def factory(scope: str, rank: int, size: int, device: torch.device) -> Communicator | None:
         name = f"{scope}/gpu-of/"
         store.set_signed(name + str(rank), gpu_identity(device).encode())
         try:
@@ -141,7 +165,9 @@ def gpu_communicators(settings: Settings, store: StoreClient) -> Any:
     return factory
 
 
-def _mpi_factory(topology: Topology, settings: Settings, store: StoreClient, job_comm: Any) -> Any:
+def _mpi_factory(
+    topology: Topology, settings: Settings, store: StoreClient, job_comm: MPI.Intracomm
+) -> CommunicatorFactory:
     """MPI communicators: a duplicate of the job's for a set of every rank (the control plane
     and the global set), else a group of it made by the members alone.
 
@@ -168,7 +194,7 @@ def _mpi_factory(topology: Topology, settings: Settings, store: StoreClient, job
     return factory
 
 
-def mpi_library(comm: Any, topology: Topology, settings: Settings) -> Any:
+def mpi_library(comm: JobComm | None, topology: Topology, settings: Settings) -> MPILibrary | None:
     """mpi4py's ``MPI`` module when MPI plays a part (``comm`` given, or MPI carries the data),
     once it is clear that this job can use it; ``None`` when MPI plays no part. It makes no
     communicator, so a rank may call it before it joins the job (and refuse early).
@@ -202,7 +228,7 @@ def mpi_library(comm: Any, topology: Topology, settings: Settings) -> Any:
             "one that launched the job. Install mpi4py for this MPI (pip install mpi4py builds "
             "it against the mpicc on PATH), or set HORA_CPU_OPERATIONS=gloo."
         )
-    if comm is not None and not _is_communicator(comm):
+    if comm is not None and not is_mpi_communicator(comm):
         ranks = [int(r) for r in comm]
         if world.Get_rank() not in ranks:
             raise ValueError(
@@ -213,7 +239,7 @@ def mpi_library(comm: Any, topology: Topology, settings: Settings) -> Any:
     return mpi
 
 
-def mpi_job_comm(comm: Any, mpi: Any) -> Any:
+def mpi_job_comm(comm: JobComm | None, mpi: MPILibrary | None) -> MPI.Intracomm | None:
     """The job's MPI communicator: ``comm`` (an mpi4py communicator, or world ranks), or
     ``MPI_COMM_WORLD`` when MPI carries the data; ``None`` when MPI plays no part (``mpi`` is
     :func:`mpi_library`'s answer). Collective: every rank of ``comm`` (or of the world) calls
@@ -223,7 +249,7 @@ def mpi_job_comm(comm: Any, mpi: Any) -> Any:
     world = mpi.COMM_WORLD
     if comm is None:
         return world.Dup()
-    if _is_communicator(comm):
+    if is_mpi_communicator(comm):
         return comm.Dup()
     group = world.Get_group().Incl([int(r) for r in comm])
     made = world.Create_group(group)
@@ -231,11 +257,7 @@ def mpi_job_comm(comm: Any, mpi: Any) -> Any:
     return made
 
 
-def _is_communicator(comm: Any) -> bool:
-    return hasattr(comm, "Get_group") and hasattr(comm, "Dup")
-
-
-def sub_job(topology: Topology, job_comm: Any) -> Topology:
+def sub_job(topology: Topology, job_comm: MPI.Intracomm) -> Topology:
     """The topology of a job that is ``job_comm``'s processes, a part of the MPI job: ranks
     are the communicator's; local ranks come from the exchange of host names; the store is
     hosted by its rank 0 and handed out over it (joining with mpi4py)."""
@@ -363,7 +385,7 @@ def _verdict_of_rank_0(
     }
 
 
-def differences(values: list[dict[str, Any]]) -> str:
+def differences(values: list[dict[str, object]]) -> str:
     """What the ranks' values of the settings they must share (``values[r]``: rank ``r``'s)
     disagree on, one line per variable, and what to do; ``""`` when they agree.
 
@@ -396,7 +418,7 @@ def differences(values: list[dict[str, Any]]) -> str:
     return (" " if len(lines) == 1 else "\n").join([*lines, advice])
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """A setting's value as its variable is written (``1`` for true)."""
     if value is None:
         return "it unset"
