@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -89,7 +89,7 @@ def local_gpu(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % count if count else 0)
 
 
-def on_default_stream(tensor: torch.Tensor) -> Any:
+def on_default_stream(tensor: torch.Tensor) -> AbstractContextManager[object]:
     """A context that queues CUDA work on ``tensor``'s device's default stream (the engine's,
     which the submitting call made wait for the caller's stream); nothing for CPU tensors."""
     if not tensor.is_cuda:
@@ -125,7 +125,7 @@ def destination(entry: Entry | None) -> torch.Tensor | None:
     return entry.output if entry.output is not None else entry.tensor
 
 
-def writing_to_inference(entries: Sequence[Entry | None]) -> Any:
+def writing_to_inference(entries: Sequence[Entry | None]) -> AbstractContextManager[object]:
     """``torch.inference_mode()`` when a destination was made in inference mode (a caller in
     ``torch.inference_mode()``, as PyTorch Lightning's validation), where only it may write."""
     for entry in entries:

@@ -77,6 +77,8 @@ class Handle:
         self.kind = kind
         self.grouped = grouped
         self.observer = observer
+        # Each tensor's result, of the call's own kind (a tensor, a tensor and its splits, a set
+        # id, ...): the caller that made the handle reads it as such.
         self.results: list[Any] = [None] * count
         self.error: str | None = None
         # The keys its call was submitted under (set by the intake; see WaitObserver.consumed).
@@ -126,7 +128,7 @@ class Handle:
             raise HoraInternalError(self.error)
         return self.results
 
-    def _set(self, index: int, value: Any) -> None:
+    def _set(self, index: int, value: object) -> None:
         self.results[index] = value
         self._remaining -= 1
         if self._remaining == 0 and self.error is None:
@@ -164,7 +166,7 @@ class Entry:
     lend: bool = False
 
 
-def finish(entry: Entry, result: Any) -> None:
+def finish(entry: Entry, result: object) -> None:
     """Deliver one entry's result to its handle."""
     entry.handle._set(entry.index, result)
 
