@@ -34,7 +34,8 @@ import hmac
 import secrets
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 from hora.common.job.store_connection import BoundedGetStore, StoreConnection
 from hora.common.job.store_keys import FAILURE, PARKED
@@ -42,6 +43,7 @@ from hora.common.job.store_protocol import StoreAuthenticationError, StoreTimeou
 
 if TYPE_CHECKING:
     from hora.common.job.store_service import StoreServer
+    from hora.common.job.torch_store import TorchStore
 
 TAG_BYTES = 32
 # How long a read waits for a key that was there a moment ago before taking it as deleted.
@@ -118,12 +120,43 @@ def verify(
     return data
 
 
-def put_mark(store: Any, key: str, secret: str) -> None:
+class RawStore(Protocol):
+    """What hora calls on a store it reaches without a :class:`StoreClient` (torchrun's agent
+    store): ``torch.distributed.Store``'s names and signatures."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Write ``value`` under ``key``."""
+
+    def get(self, key: str) -> bytes:
+        """The value under ``key`` (waits for it)."""
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` is there."""
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Wait until every one of ``keys`` is there (``RuntimeError`` after ``timeout``)."""
+
+
+class KeyValueStore(RawStore, Protocol):
+    """The store under a :class:`StoreClient`: hora's :class:`StoreConnection`, or torch's
+    ``TCPStore`` (a launcher's) or ``HashStore`` (a job of one)."""
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values under ``keys`` (waits for them)."""
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Write ``desired`` where ``key`` holds ``expected`` (``""``: is unset); the value now."""
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it was there."""
+
+
+def put_mark(store: RawStore, key: str, secret: str) -> None:
     """Write a mark (a signed empty value bound to ``key``) into a raw ``torch`` store."""
     store.set(key, sign(secret, b"", key=key))
 
 
-def has_mark(store: Any, key: str, secret: str) -> bool:
+def has_mark(store: RawStore, key: str, secret: str) -> bool:
     """Whether a raw ``torch`` store holds a genuine mark under ``key``.
 
     Raises:
@@ -156,7 +189,7 @@ def start_store_server(bind_address: str, port: int, secret: str) -> tuple[Store
     return server, server.port
 
 
-def _torch_distributed() -> Any:
+def _torch_distributed() -> ModuleType:
     """``torch.distributed``, imported only where a torch store is made (on workers)."""
     import torch.distributed
 
@@ -202,10 +235,11 @@ class StoreClient:
         self.foreign = foreign
         # The torch.distributed.Store over self.store, once scoped() made one: kept while the
         # process groups made over it live (C++ reaches it through the Python object).
-        self._torch_store: Any = None
+        self._torch_store: TorchStore | None = None
+        self.store: KeyValueStore
         if addr and not foreign:
             try:
-                self.store: Any = StoreConnection(addr, port, secret, timeout_s)
+                self.store = StoreConnection(addr, port, secret, timeout_s)
             except StoreAuthenticationError as exc:
                 raise RuntimeError(
                     f"the job's rendezvous store at {addr}:{port} refused this process or could "
@@ -268,13 +302,13 @@ class StoreClient:
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
-    def scoped(self, scope: str) -> Any:
+    def scoped(self, scope: str) -> object:
         """A ``torch.distributed.PrefixStore`` for a process group's own rendezvous (on a
-        worker: this imports torch)."""
+        worker: this imports torch); only the group's backend reads it."""
         prefix = f"{self.namespace}/{scope}/"
         return _torch_distributed().PrefixStore(prefix, self._as_torch_store())
 
-    def _as_torch_store(self) -> Any:
+    def _as_torch_store(self) -> object:
         """``self.store`` as a ``torch.distributed.Store`` (hora's connection needs one over
         it; torch's stores are one)."""
         if not isinstance(self.store, StoreConnection):
