@@ -103,6 +103,14 @@ def _inputs(run: Run) -> list[torch.Tensor]:
     return inputs
 
 
+def _rows_like(tensor: torch.Tensor, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """An empty tensor of ``rows`` rows, each shaped as a row of ``tensor`` and of its dtype, on
+    ``device``; and how many bytes a row holds."""
+    rest = tuple(tensor.shape[1:])
+    output = torch.empty((rows, *rest), dtype=tensor.dtype, device=device)
+    return output, math.prod(rest) * tensor.element_size()
+
+
 class _OneKind:
     """An executor of every batch of one kind of request (``kind``)."""
 
@@ -239,10 +247,8 @@ class Allgather(_OneKind):
         requests = run.head.requests[0]
         tensor = entry.tensor
         rows = [requests[r].shape[0] for r in run.members]
-        rest = tuple(tensor.shape[1:])
-        row_bytes = math.prod(rest) * tensor.element_size()
         target = run.comm.device
-        output = torch.empty((sum(rows), *rest), dtype=tensor.dtype, device=target)
+        output, row_bytes = _rows_like(tensor, sum(rows), target)
         source = as_bytes(tensor.to(target))
         chunks = list(as_bytes(output).split([n * row_bytes for n in rows]))
         if len(set(rows)) == 1:
@@ -300,10 +306,8 @@ class Alltoall(_OneKind):
 
         send = splits_of(rank)
         receive = [splits_of(r)[me] for r in members]
-        rest = tuple(tensor.shape[1:])
-        row_bytes = math.prod(rest) * tensor.element_size()
         target = run.comm.device
-        output = torch.empty((sum(receive), *rest), dtype=tensor.dtype, device=target)
+        output, row_bytes = _rows_like(tensor, sum(receive), target)
         source = as_bytes(tensor.to(target)[: sum(send)])
         run.comm.alltoall(
             as_bytes(output),
