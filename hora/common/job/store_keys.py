@@ -109,10 +109,43 @@ class GenerationKeys:
         """Rank 0's finding on those values at ``init``: alike, or which ranks differ."""
         return f"{self._prefix}/settings-verdict"
 
-    def timeline_closed(self) -> str:
-        """Counts the ranks that closed their timeline files (rank 0 then merges them)."""
-        return f"{self._prefix}/timeline-closed/"
+    def timeline_closed(self, rank: int) -> str:
+        """Written by a rank that closed its timeline file (rank 0 then merges them)."""
+        return f"{self._prefix}/timeline-closed/{rank}"
 
     def detached(self, rank: int) -> str:
         """Written by a rank at shutdown, for a rank that hosts the store and waits at exit."""
         return f"detached/{self.generation}/{rank}"
+
+
+class ScopeKeys:
+    """The keys of one communicator's rendezvous, under its scope (:meth:`GenerationKeys.scope`):
+    how its members find out which of them share a host, make their shared memory, and agree
+    on the GPUs and MPI ranks they bring."""
+
+    def __init__(self, scope: str) -> None:
+        self.scope = scope
+
+    def host_of(self, member: int) -> str:
+        """A member's host identity (boot id, ``/dev/shm`` device, network namespace)."""
+        return f"{self.scope}/host-of/{member}"
+
+    def shm_created(self, group: int) -> str:
+        """The segment file a host group's first member made (or why it could not)."""
+        return f"{self.scope}/shm-created/{group}"
+
+    def shm_ok(self, member: int) -> str:
+        """Whether shared memory works for a member (empty), else why not."""
+        return f"{self.scope}/shm-ok/{member}"
+
+    def gpu_of(self, member: int) -> str:
+        """The GPU a member's NCCL communicator would use."""
+        return f"{self.scope}/gpu-of/{member}"
+
+    def mpi_member(self, member: int) -> str:
+        """A member's rank in the job's MPI communicator."""
+        return f"{self.scope}/mpi-member/{member}"
+
+    def cross(self, local_rank: int) -> str:
+        """The scope of the Gloo group across hosts of the members with this local rank."""
+        return f"{self.scope}/cross{local_rank}"

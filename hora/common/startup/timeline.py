@@ -89,12 +89,15 @@ def finish_timeline(current: Session) -> None:
 
 
 def _merge_when_closed(engine: Engine, store: StoreClient, path: str, generation: int) -> None:
-    key = GenerationKeys(generation).timeline_closed()
+    keys = GenerationKeys(generation)
     if engine.size > 1:
         if engine.rank != 0:
-            store.set_signed(key + str(engine.rank), b"")
+            store.set_signed(keys.timeline_closed(engine.rank), b"")
             return
-        closed = [store.wait(key + str(r), TIMELINE_MERGE_WAIT_S) for r in range(1, engine.size)]
+        closed = [
+            store.wait(keys.timeline_closed(r), TIMELINE_MERGE_WAIT_S)
+            for r in range(1, engine.size)
+        ]
         if not all(closed):
             why = f"not every rank closed its file within {TIMELINE_MERGE_WAIT_S:.0f} s"
             _left_unmerged(path, why)

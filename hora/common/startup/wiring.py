@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from hora.common.job.launchers import mpi_identity
 from hora.common.job.store import AuthenticationError, StoreClient, tampering
-from hora.common.job.store_keys import GenerationKeys
+from hora.common.job.store_keys import GenerationKeys, ScopeKeys
 from hora.common.job.store_protocol import StoreWaitEnded
 from hora.common.job.topology import Topology
 from hora.common.process_sets import is_mpi_communicator
@@ -141,10 +141,10 @@ def gpu_communicators(settings: Settings, store: StoreClient) -> DeviceCommunica
     longest_s = steady_batch_timeout_s(settings)
 
     def factory(scope: str, rank: int, size: int, device: torch.device) -> Communicator | None:
-        name = f"{scope}/gpu-of/"
-        store.set_signed(name + str(rank), gpu_identity(device).encode())
+        keys = ScopeKeys(scope)
+        store.set_signed(keys.gpu_of(rank), gpu_identity(device).encode())
         try:
-            identities = [store.get_signed(name + str(r)).decode() for r in range(size)]
+            identities = [store.get_signed(keys.gpu_of(r)).decode() for r in range(size)]
         except RuntimeError as exc:
             raise TransportError(f"the members of {scope} did not all arrive: {exc}") from exc
         shared = shared_gpus(identities)
@@ -183,10 +183,10 @@ def _mpi_factory(
     def factory(scope: str, rank: int, size: int) -> Communicator:
         members = None
         if size != topology.size:
-            name = f"{scope}/mpi-member/"
-            store.set_signed(name + str(rank), str(topology.rank).encode())
+            keys = ScopeKeys(scope)
+            store.set_signed(keys.mpi_member(rank), str(topology.rank).encode())
             try:
-                members = [int(store.get_signed(name + str(r))) for r in range(size)]
+                members = [int(store.get_signed(keys.mpi_member(r))) for r in range(size)]
             except RuntimeError as exc:
                 raise TransportError(f"the members of {scope} did not all arrive: {exc}") from exc
         return MPICommunicator.of(job_comm, members, settings.gloo_timeout_s, mpi)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from hora.common.job.shm_names import sweep
 from hora.common.job.store import StoreClient
+from hora.common.job.store_keys import ScopeKeys
 from hora.common.transport import TransportError
 from hora.common.transport.shm_segment import Segment, SegmentError, SegmentFile, supported
 
@@ -86,15 +87,15 @@ def group_members(
         TransportError: some member did not publish its identity in time.
     """
     mine = json.dumps({"id": host_identity(), "host": socket.gethostname()})
-    key = f"{scope}/host-of/"
-    store.set_signed(key + str(rank), mine.encode())
+    keys = ScopeKeys(scope)
+    store.set_signed(keys.host_of(rank), mine.encode())
     found = []
     for member in range(size):
-        if not store.wait(key + str(member), timeout_s):
+        if not store.wait(keys.host_of(member), timeout_s):
             raise TransportError(
                 f"member {member} of {scope} did not arrive within {timeout_s:g} s"
             )
-        found.append(json.loads(store.get_signed(key + str(member))))
+        found.append(json.loads(store.get_signed(keys.host_of(member))))
     order: dict[str, int] = {}
     group_of = []
     for entry in found:
@@ -153,13 +154,14 @@ def _reports(
 ) -> list[str]:
     """Publish whether shared memory works for this member (``problem``: why not), and read
     every member's answer: the problems, one per member that has one."""
-    store.set_signed(f"{scope}/shm-ok/{rank}", problem.encode())
+    keys = ScopeKeys(scope)
+    store.set_signed(keys.shm_ok(rank), problem.encode())
     problems = []
     for member in range(len(grouping.group_of)):
-        if not store.wait(f"{scope}/shm-ok/{member}", timeout_s):
+        if not store.wait(keys.shm_ok(member), timeout_s):
             problems.append(f"member {member} did not report")
             continue
-        said = store.get_signed(f"{scope}/shm-ok/{member}").decode()
+        said = store.get_signed(keys.shm_ok(member)).decode()
         if said:
             problems.append(f"member {member} on {grouping.hosts[member]}: {said}")
     return problems
@@ -177,7 +179,7 @@ def _join_group(
     """Member 0 of the group makes the segment and publishes its file (or why it could not);
     the others attach to exactly that file."""
     local_rank, local_size = members.index(rank), len(members)
-    created_key = f"{scope}/shm-created/{group}"
+    created_key = ScopeKeys(scope).shm_created(group)
     if local_rank == 0:
         for path in sweep():
             logger.info("removed %s, left by a process that was killed while making it", path)

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 from hora.common.job.store import StoreClient
+from hora.common.job.store_keys import ScopeKeys
 from hora.common.job.topology import Topology
 from hora.common.transport import Communicator
 from hora.common.transport.hierarchical import HierarchicalCommunicator
@@ -92,7 +93,7 @@ class PathChooser:
         group = grouping.group_of[rank]
         local_rank = grouping.groups[group].index(rank)
         peers = [members[local_rank] for members in grouping.groups]
-        cross = self._gloo(f"{scope}/cross{local_rank}", peers.index(rank), len(peers))
+        cross = self._gloo(ScopeKeys(scope).cross(local_rank), peers.index(rank), len(peers))
         return HierarchicalCommunicator(flat, local, cross)
 
     def _hierarchical(self, rank: int, grouping: Grouping) -> bool:
