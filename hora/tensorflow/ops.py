@@ -18,6 +18,7 @@ their gradient with ``tf.custom_gradient``:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import tensorflow as tf
@@ -76,27 +77,33 @@ def _differentiable(
     return list(results) if isinstance(results, (list, tuple)) else [results]
 
 
+@dataclass(slots=True)
+class _Reduction:
+    """How an allreduce or a reducescatter reduces: what its differentiable form, its gradient
+    and the collective itself all take. Never changed once made (``replace`` makes another)."""
+
+    op: Any
+    prescale_factor: float = 1.0
+    postscale_factor: float = 1.0
+    name: str | None = None
+    process_set: ProcessSet = global_process_set
+    grouped: bool = False
+
+
 # ---------------------------------------------------------------- allreduce
 
 
-def _reduce(
-    tensors: list[tf.Tensor],
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    name: str | None,
-    process_set: ProcessSet,
-    grouped: bool,
-) -> list[tf.Tensor]:
-    name = graph_name(name, "grouped_allreduce" if grouped else "allreduce", process_set)
+def _reduce(tensors: list[tf.Tensor], how: _Reduction) -> list[tf.Tensor]:
+    grouped, process_set = how.grouped, how.process_set
+    name = graph_name(how.name, "grouped_allreduce" if grouped else "allreduce", process_set)
     dtypes = [t.dtype for t in tensors]
     # Unsigned types the engine does not carry are reduced as int64 (exact), then cast back.
     tensors = [tf.cast(t, tf.int64) if t.dtype in _WIDENED else t for t in tensors]
 
     def reduce(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        scales = (prescale_factor, postscale_factor)
+        scales = (how.prescale_factor, how.postscale_factor)
         handle = collectives.allreduce_async(
-            inputs, False, name, op, None, *scales, process_set, grouped
+            inputs, False, name, how.op, None, *scales, process_set, grouped
         )
         return collectives.results(handle, grouped)
 
@@ -106,55 +113,37 @@ def _reduce(
     return [o if o.dtype == d else tf.cast(o, d) for o, d in zip(outputs, dtypes)]
 
 
-def _allreduce(
-    tensors: list[tf.Tensor],
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    name: str | None,
-    process_set: ProcessSet,
-    grouped: bool,
-) -> list[tf.Tensor]:
+def _allreduce(tensors: list[tf.Tensor], how: _Reduction) -> list[tf.Tensor]:
     """Allreduce with its gradient (the gradient is reduced the same way)."""
     return _differentiable(
-        lambda inputs: _reduce(
-            inputs, op, prescale_factor, postscale_factor, name, process_set, grouped
-        ),
-        lambda _inputs, upstream: _allreduce(
-            upstream, op, prescale_factor, postscale_factor, _grad_name(name), process_set, grouped
-        ),
+        lambda inputs: _reduce(inputs, how),
+        lambda _inputs, upstream: _allreduce(upstream, replace(how, name=_grad_name(how.name))),
         tensors,
     )
 
 
-def _check_sparse_op(op: Any, prescale_factor: float, postscale_factor: float) -> None:
-    if op == Adasum:
+def _check_sparse_op(how: _Reduction) -> None:
+    if how.op == Adasum:
         raise NotImplementedError(
             "Adasum does not reduce tf.IndexedSlices (sparse gradients); pass "
             "sparse_as_dense=True to DistributedOptimizer or DistributedGradientTape."
         )
-    if op not in (Sum, Average):
+    if how.op not in (Sum, Average):
         raise NotImplementedError("Only Sum and Average reduce tf.IndexedSlices.")
-    if prescale_factor != 1.0 or postscale_factor != 1.0:
+    if how.prescale_factor != 1.0 or how.postscale_factor != 1.0:
         raise NotImplementedError("Pre- and postscale factors do not apply to tf.IndexedSlices.")
 
 
-def _sparse_allreduce(
-    slices: tf.IndexedSlices,
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    name: str | None,
-    process_set: ProcessSet,
-) -> tf.IndexedSlices:
+def _sparse_allreduce(slices: tf.IndexedSlices, how: _Reduction) -> tf.IndexedSlices:
     """Reduce sparse rows by gathering every rank's values and indices (rows that several ranks
     hold are summed when the slices are applied)."""
-    _check_sparse_op(op, prescale_factor, postscale_factor)
+    _check_sparse_op(how)
+    name, process_set = how.name, how.process_set
     values = allgather(slices.values, name=None if name is None else f"{name}.values",
                        process_set=process_set)  # fmt: skip
     indices = allgather(slices.indices, name=None if name is None else f"{name}.indices",
                         process_set=process_set)  # fmt: skip
-    if op == Average:
+    if how.op == Average:
         values = values / tf.cast(process_set.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
@@ -198,15 +187,12 @@ def allreduce(
     from hora.common.ops import submission
 
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
+    how = _Reduction(reduce_op, prescale_factor, postscale_factor, name, process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(
-            tensor, reduce_op, prescale_factor, postscale_factor, name, process_set
-        )
+        return _sparse_allreduce(tensor, how)
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    (result,) = _allreduce(
-        [compressed], reduce_op, prescale_factor, postscale_factor, name, process_set, False
-    )
+    (result,) = _allreduce([compressed], how)
     return compression.decompress(result, ctx)
 
 
@@ -231,27 +217,18 @@ def grouped_allreduce(
     from hora.common.ops import submission
 
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
+    how = _Reduction(reduce_op, prescale_factor, postscale_factor, name, process_set, True)
     compression = compression or Compression.none
     results: list[Any] = list(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             sub = None if name is None else f"{name}.{i}"
-            results[i] = _sparse_allreduce(
-                t, reduce_op, prescale_factor, postscale_factor, sub, process_set
-            )
+            results[i] = _sparse_allreduce(t, replace(how, name=sub))
     if not dense:
         return results
     compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
-    reduced = _allreduce(
-        [c for c, _ in compressed],
-        reduce_op,
-        prescale_factor,
-        postscale_factor,
-        name,
-        process_set,
-        True,
-    )
+    reduced = _allreduce([c for c, _ in compressed], how)
     for i, value, (_, ctx) in zip(dense, reduced, compressed):
         results[i] = compression.decompress(value, ctx)
     return results
@@ -288,7 +265,9 @@ def _allgather(
     tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
 ) -> list[tf.Tensor]:
     def backward(inputs: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
-        averaged = _allreduce(upstream, Average, 1.0, 1.0, None, process_set, grouped)
+        averaged = _allreduce(
+            upstream, _Reduction(Average, process_set=process_set, grouped=grouped)
+        )
         return [_own_rows(g, tf.shape(x)[0], process_set) for g, x in zip(averaged, inputs)]
 
     return _differentiable(
@@ -351,7 +330,7 @@ def broadcast(
     def send(value: tf.Tensor) -> Any:
         def grad(upstream: tf.Tensor) -> tf.Tensor:
             (averaged,) = _allreduce(
-                [tf.convert_to_tensor(upstream)], Average, 1.0, 1.0, None, process_set, False
+                [tf.convert_to_tensor(upstream)], _Reduction(Average, process_set=process_set)
             )
             return averaged if api.rank() == root_rank else averaged * 0
 
@@ -447,20 +426,16 @@ def alltoall(
 # ---------------------------------------------------------------- reducescatter
 
 
-def _scatter(
-    tensors: list[tf.Tensor],
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    name: str | None,
-    process_set: ProcessSet,
-    grouped: bool,
-) -> list[tf.Tensor]:
-    name = graph_name(name, "grouped_reducescatter" if grouped else "reducescatter", process_set)
+def _scatter(tensors: list[tf.Tensor], how: _Reduction) -> list[tf.Tensor]:
+    grouped, process_set = how.grouped, how.process_set
+    name = graph_name(
+        how.name, "grouped_reducescatter" if grouped else "reducescatter", process_set
+    )
 
     def scatter(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        scales = (how.prescale_factor, how.postscale_factor)
         handle = collectives.reducescatter_async(
-            inputs, name, op, process_set, prescale_factor, postscale_factor, grouped
+            inputs, name, how.op, process_set, *scales, grouped
         )
         return collectives.results(handle, grouped)
 
@@ -468,31 +443,17 @@ def _scatter(
     return run(scatter, tensors, [t.dtype for t in tensors], shapes, "reducescatter")
 
 
-def _reducescatter(
-    tensors: list[tf.Tensor],
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    name: str | None,
-    process_set: ProcessSet,
-    grouped: bool,
-) -> list[tf.Tensor]:
+def _reducescatter(tensors: list[tf.Tensor], how: _Reduction) -> list[tf.Tensor]:
     def backward(_inputs: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
         from hora.common.ops import submission
 
-        scale = prescale_factor * postscale_factor
-        if op == Sum:
-            scale *= submission.set_size(process_set)
+        scale = how.prescale_factor * how.postscale_factor
+        if how.op == Sum:
+            scale *= submission.set_size(how.process_set)
         scaled = [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in upstream]
-        return _allgather(scaled, None, process_set, grouped)
+        return _allgather(scaled, None, how.process_set, how.grouped)
 
-    return _differentiable(
-        lambda inputs: _scatter(
-            inputs, op, prescale_factor, postscale_factor, name, process_set, grouped
-        ),
-        backward,
-        tensors,
-    )
+    return _differentiable(lambda inputs: _scatter(inputs, how), backward, tensors)
 
 
 def _scatter_op(op: Any) -> Any:
@@ -520,9 +481,8 @@ def reducescatter(
     del device_dense, ignore_name_scope
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    (result,) = _reducescatter(
-        [compressed], _scatter_op(op), prescale_factor, postscale_factor, name, process_set, False
-    )
+    how = _Reduction(_scatter_op(op), prescale_factor, postscale_factor, name, process_set)
+    (result,) = _reducescatter([compressed], how)
     return compression.decompress(result, ctx)
 
 
@@ -545,13 +505,6 @@ def grouped_reducescatter(
     del device_dense, ignore_name_scope
     compression = compression or Compression.none
     compressed = [compression.compress(t) for t in _tensors(tensors)]
-    results = _reducescatter(
-        [c for c, _ in compressed],
-        _scatter_op(op),
-        prescale_factor,
-        postscale_factor,
-        name,
-        process_set,
-        True,
-    )
+    how = _Reduction(_scatter_op(op), prescale_factor, postscale_factor, name, process_set, True)
+    results = _reducescatter([c for c, _ in compressed], how)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
