@@ -55,31 +55,12 @@ def DistributedOptimizer(  # type: ignore[no-redef]  # Horovod's name, horovod.k
         >>> import hora.keras as hvd
         >>> opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
     """
-    return _DistributedOptimizer(
-        optimizer,
-        name=name,
-        device_dense=device_dense,
-        device_sparse=device_sparse,
-        compression=compression,
-        sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor,
-        op=op,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
-        num_groups=num_groups,
-        groups=groups,
-        process_set=process_set,
-        scale_local_gradients=scale_local_gradients,
-    )
+    return _DistributedOptimizer(**locals())  # every argument, by name
 
 
 def __getattr__(name: str) -> object:
     # Names the Keras module loads on first use (hvd.elastic: this package's own module, which
     # `import hora.keras.elastic` also gives, with the same objects).
-    import importlib
-
     if name == "elastic":
         return importlib.import_module("hora.keras.elastic")
-    import hora.tensorflow.keras as _keras
-
-    return getattr(_keras, name)
+    return getattr(importlib.import_module("hora.tensorflow.keras"), name)

@@ -36,7 +36,7 @@ from hora.tensorflow.functions import (
     broadcast_variables,
 )
 from hora.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
-from hora.tensorflow.gradients import GradientReducer, distributed_tape
+from hora.tensorflow.gradients import GradientReducer, distributed_tape, passed_on
 from hora.tensorflow.legacy import BroadcastGlobalVariablesHook, DistributedLegacyOptimizer
 from hora.tensorflow.ops import (
     allgather,
@@ -95,18 +95,7 @@ def DistributedGradientTape(  # Horovod's name
         >>> grads = tape.gradient(loss, model.trainable_variables)
     """
     del device_dense, device_sparse
-    reducer = GradientReducer(
-        compression=compression,
-        sparse_as_dense=sparse_as_dense,
-        op=op,
-        gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups,
-        groups=groups,
-        process_set=process_set,
-        scale_local_gradients=scale_local_gradients,
-        prefix="hora.tape",
-    )
-    return distributed_tape(gradtape, reducer)
+    return distributed_tape(gradtape, GradientReducer.of(locals(), prefix="hora.tape"))
 
 
 def PartialDistributedGradientTape(  # Horovod's name
@@ -126,19 +115,7 @@ def PartialDistributedGradientTape(  # Horovod's name
     """A :func:`DistributedGradientTape` that keeps the gradients of ``local_layers`` (layers or
     variables) on each rank; with ``scale_local_gradients`` they are divided by the number of
     ranks, like the averaged ones."""
-    tape = DistributedGradientTape(
-        gradtape,
-        device_dense,
-        device_sparse,
-        compression,
-        sparse_as_dense,
-        op,
-        gradient_predivide_factor,
-        num_groups,
-        groups,
-        process_set,
-        scale_local_gradients,
-    )
+    tape = DistributedGradientTape(**passed_on(locals(), "local_layers"))
     for item in _as_list(local_layers):
         for variable in getattr(item, "trainable_weights", None) or [item]:
             tape.register_local_source(variable)
@@ -180,18 +157,7 @@ def DistributedOptimizer(  # Horovod's name
         >>> opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * hvd.size()))
     """
     if isinstance(optimizer, _tf().compat.v1.train.Optimizer):
-        del device_dense, device_sparse
-        reducer = GradientReducer(
-            compression=compression,
-            sparse_as_dense=sparse_as_dense,
-            op=op,
-            gradient_predivide_factor=gradient_predivide_factor,
-            num_groups=num_groups,
-            groups=groups,
-            process_set=process_set,
-            scale_local_gradients=scale_local_gradients,
-            prefix="hora.grads",
-        )
+        reducer = GradientReducer.of(locals(), prefix="hora.grads")
         return DistributedLegacyOptimizer(
             optimizer,
             name,
@@ -200,25 +166,10 @@ def DistributedOptimizer(  # Horovod's name
             backward_passes_per_step,
             average_aggregated_gradients,
         )
-    del use_locking
+    keras_arguments = passed_on(locals(), "use_locking")
     from hora.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 
-    return KerasDistributedOptimizer(
-        optimizer,
-        name=name,
-        device_dense=device_dense,
-        device_sparse=device_sparse,
-        compression=compression,
-        sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor,
-        op=op,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
-        num_groups=num_groups,
-        groups=groups,
-        process_set=process_set,
-        scale_local_gradients=scale_local_gradients,
-    )
+    return KerasDistributedOptimizer(**keras_arguments)
 
 
 def __getattr__(name: str) -> Any:

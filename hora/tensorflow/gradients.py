@@ -10,7 +10,7 @@ Sparse gradients (``tf.IndexedSlices``) are gathered, unless ``sparse_as_dense``
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,26 @@ from hora.common import api
 from hora.common.process_sets import ProcessSet
 from hora.tensorflow import ops
 from hora.tensorflow.compression import Compression
+
+# GradientReducer's options that DistributedGradientTape and DistributedOptimizer take, under
+# the names of their (Horovod's) parameters.
+_CALL_OPTIONS = (
+    "compression",
+    "sparse_as_dense",
+    "op",
+    "gradient_predivide_factor",
+    "num_groups",
+    "groups",
+    "process_set",
+    "scale_local_gradients",
+)
+
+
+def passed_on(arguments: Mapping[str, Any], *leave_out: str) -> dict[str, Any]:
+    """``arguments`` less the names in ``leave_out``: what a function with Horovod's signature
+    passes on, by name, to the one it wraps. ``arguments`` is its ``locals()``, taken before it
+    binds a name of its own: its parameters, by name."""
+    return {name: value for name, value in arguments.items() if name not in leave_out}
 
 
 def variable_name(variable: Any) -> str:
@@ -56,6 +76,17 @@ class GradientReducer:
     local_variables: set[int] = field(default_factory=set)
     scale_local_gradients: bool = True
     prefix: str = "hora.grads"
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any], prefix: str) -> GradientReducer:
+        """The reducer a ``DistributedGradientTape`` or ``DistributedOptimizer`` call asks for.
+
+        Args:
+            arguments: the call's ``locals()``: its options by their parameter names, which are
+                this class's attribute names (other names in it are not read).
+            prefix: starts the collectives' names.
+        """
+        return cls(**{name: arguments[name] for name in _CALL_OPTIONS}, prefix=prefix)
 
     def __post_init__(self) -> None:
         if self.gradient_predivide_factor != 1.0 and self.op != ops.Average:

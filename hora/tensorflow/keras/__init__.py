@@ -68,10 +68,12 @@ from hora.tensorflow import (
     start_timeline,
     stop_timeline,
 )
-from hora.tensorflow.gradients import GradientReducer
+from hora.tensorflow.gradients import GradientReducer, passed_on
 from hora.tensorflow.keras import _optimizer, callbacks
 
 _OPS = {Average: "Average", Sum: "Sum", Adasum: "Adasum"}
+# How the gradient collectives of a DistributedOptimizer without a name= are named.
+_UNNAMED_PREFIX = "hora.keras.grads"
 
 
 def _reducer_options(
@@ -100,39 +102,6 @@ def _reducer_options(
             f"{type(groups).__name__}."
         )
     return num_groups, groups
-
-
-def _make_state(
-    name: str | None,
-    compression: Any,
-    sparse_as_dense: bool,
-    gradient_predivide_factor: float,
-    op: Any,
-    backward_passes_per_step: int,
-    average_aggregated_gradients: bool,
-    num_groups: int,
-    groups: Any,
-    process_set: ProcessSet,
-    scale_local_gradients: bool,
-) -> _optimizer.HoraState:
-    count, explicit = _reducer_options(op, num_groups, groups, backward_passes_per_step)
-    reducer = GradientReducer(
-        compression=compression,
-        sparse_as_dense=sparse_as_dense,
-        op=op,
-        gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=count,
-        groups=explicit,
-        process_set=process_set,
-        scale_local_gradients=scale_local_gradients,
-        prefix=f"hora.keras.{name}" if name else "hora.keras.grads",
-    )
-    accumulator = None
-    if backward_passes_per_step > 1:
-        accumulator = _optimizer.GradientAccumulator(
-            backward_passes_per_step, average_aggregated_gradients
-        )
-    return _optimizer.HoraState(reducer, accumulator)
 
 
 def DistributedOptimizer(  # Horovod's name
@@ -199,20 +168,14 @@ def DistributedOptimizer(  # Horovod's name
             "This optimizer is already a hora DistributedOptimizer; wrap the original Keras "
             "optimizer once."
         )
-    state = _make_state(
-        name,
-        compression,
-        sparse_as_dense,
-        gradient_predivide_factor,
-        op,
-        backward_passes_per_step,
-        average_aggregated_gradients,
-        num_groups,
-        groups,
-        process_set,
-        scale_local_gradients,
-    )
-    return _optimizer.wrap(optimizer, state, name)
+    num_groups, groups = _reducer_options(op, num_groups, groups, backward_passes_per_step)
+    reducer = GradientReducer.of(locals(), f"hora.keras.{name}" if name else _UNNAMED_PREFIX)
+    accumulator = None
+    if backward_passes_per_step > 1:
+        accumulator = _optimizer.GradientAccumulator(
+            backward_passes_per_step, average_aggregated_gradients
+        )
+    return _optimizer.wrap(optimizer, _optimizer.HoraState(reducer, accumulator), name)
 
 
 def _local_variables(local_layers: Any) -> list[Any]:
@@ -265,22 +228,9 @@ def PartialDistributedOptimizer(  # Horovod's name
         ...     tf.keras.optimizers.SGD(0.1), local_layers=[model.get_layer("head")]
         ... )
     """
+    arguments = passed_on(locals(), "local_layers")
     local = _local_variables(local_layers)
-    wrapped = DistributedOptimizer(
-        optimizer,
-        name=name,
-        device_dense=device_dense,
-        device_sparse=device_sparse,
-        compression=compression,
-        sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor,
-        op=op,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
-        groups=groups,
-        process_set=process_set,
-        scale_local_gradients=scale_local_gradients,
-    )
+    wrapped = DistributedOptimizer(**arguments)
     for variable in local:
         wrapped.register_local_var(variable)
     return wrapped
@@ -417,10 +367,9 @@ def load_model(
     model = _keras().models.load_model(filepath, custom_objects=objects or None)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not _optimizer.is_distributed(optimizer):
-        state = _make_state(
-            None, compression, False, 1.0, Average, 1, False, 0, None, global_process_set, True
-        )
-        _optimizer.wrap_in_place(optimizer, state)
+        # DistributedOptimizer's defaults, with this compression.
+        reducer = GradientReducer(compression=compression, prefix=_UNNAMED_PREFIX)
+        _optimizer.wrap_in_place(optimizer, _optimizer.HoraState(reducer, None))
     return model
 
 
