@@ -4,15 +4,11 @@
 from __future__ import annotations
 
 from hora.tensorflow.keras import callbacks as _callbacks
-from hora.tensorflow.keras.callbacks import (
-    BroadcastGlobalVariablesCallback,
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-    MetricAverageCallback,
-)
+from hora.tensorflow.keras.callbacks import *  # noqa: F403 - the alias re-exports everything
+from hora.tensorflow.keras.callbacks import __all__ as _all
 
 
-class BestModelCheckpoint(_callbacks.BestModelCheckpoint):
+class BestModelCheckpoint(_callbacks.BestModelCheckpoint):  # type: ignore[no-redef]
     """:class:`hora.tensorflow.keras.callbacks.BestModelCheckpoint` with ``horovod.keras``'s
     parameter order: ``(monitor, verbose, mode, save_freq)``; ``save_weights_only`` and
     ``filepath`` are keyword-only.
@@ -32,20 +28,7 @@ class BestModelCheckpoint(_callbacks.BestModelCheckpoint):
         save_weights_only: bool = False,
         filepath: str | None = None,
     ) -> None:
-        super().__init__(
-            monitor=monitor,
-            verbose=verbose,
-            save_weights_only=save_weights_only,
-            mode=mode,
-            save_freq=save_freq,
-            filepath=filepath,
-        )
+        super().__init__(monitor, verbose, save_weights_only, mode, save_freq, filepath)
 
 
-__all__ = [
-    "BestModelCheckpoint",
-    "BroadcastGlobalVariablesCallback",
-    "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback",
-    "MetricAverageCallback",
-]
+__all__ = list(_all)

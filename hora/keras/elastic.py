@@ -11,28 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from hora.tensorflow.keras.elastic import (
-    CommitStateCallback,
-    HoraInternalError,
-    HostsUpdatedInterrupt,
-    KerasState,
-    ObjectState,
-    TensorFlowKerasState,
-    TensorFlowState,
-    UpdateBatchStateCallback,
-    UpdateEpochStateCallback,
-    run,
-)
+from hora.tensorflow.keras.elastic import *  # noqa: F403 - the alias re-exports everything
+from hora.tensorflow.keras.elastic import __all__ as _all
 
-__all__ = [
-    "CommitStateCallback",
-    "HoraInternalError",
-    "HostsUpdatedInterrupt",
-    "KerasState",
-    "ObjectState",
-    "TensorFlowKerasState",
-    "TensorFlowState",
-    "UpdateBatchStateCallback",
-    "UpdateEpochStateCallback",
-    "run",
-]
+__all__ = list(_all)
