@@ -43,7 +43,13 @@ _SPARSE = (
 
 
 class _LocalAggregation:
-    """What both helpers share: the sums, the counter, the reduction and the update's skip."""
+    """What both helpers share: the sums, the counter, the reduction and the update's skip.
+
+    Its constructor is :class:`LocalGradientAggregationHelperEager`'s (Horovod's signature).
+    """
+
+    # Starts the names of the helper's variables: a subclass sets it before calling __init__.
+    name = ""
 
     def __init__(
         self,
@@ -51,9 +57,8 @@ class _LocalAggregation:
         allreduce_func: AllreduceFunc | None,
         sparse_as_dense: bool,
         average_aggregated_gradients: bool,
-        process_set: ProcessSet,
-        scale_local_gradients: bool,
-        name: str,
+        process_set: ProcessSet = ops.global_process_set,
+        scale_local_gradients: bool = True,
     ) -> None:
         if isinstance(backward_passes_per_step, bool) or not isinstance(
             backward_passes_per_step, int
@@ -72,13 +77,12 @@ class _LocalAggregation:
         self.average_aggregated_gradients = average_aggregated_gradients
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self.name = name
         # The sums, by position in the gradient list (positions whose gradient is None have
         # none). ``counter``: calls since the last reduction; 0 right after it.
         self.locally_aggregated_grads: dict[int, tf.Variable] = {}
         with tf.init_scope():
             self.counter = tf.Variable(
-                0, dtype=tf.int32, trainable=False, name=f"{name}aggregation_counter"
+                0, dtype=tf.int32, trainable=False, name=f"{self.name}aggregation_counter"
             )
         # Variables whose gradients stay on this rank, by id (the objects kept alive here).
         self._local_vars: dict[int, Any] = {}
@@ -278,6 +282,7 @@ class LocalGradientAggregationHelper(_LocalAggregation):
         scale_local_gradients: bool = True,
         name: str = "",
     ) -> None:
+        self.name = f"{name}{rank}_" if name else ""
         super().__init__(
             backward_passes_per_step,
             allreduce_func,
@@ -285,7 +290,6 @@ class LocalGradientAggregationHelper(_LocalAggregation):
             average_aggregated_gradients,
             process_set,
             scale_local_gradients,
-            f"{name}{rank}_" if name else "",
         )
         self.rank = rank
         self.optimizer_type = optimizer_type
@@ -319,25 +323,6 @@ class LocalGradientAggregationHelperEager(_LocalAggregation):
         ...     helper.apply_gradients(
         ...         lambda: opt.apply_gradients(zip(grads, model.trainable_variables)), opt)
     """
-
-    def __init__(
-        self,
-        backward_passes_per_step: int,
-        allreduce_func: AllreduceFunc | None,
-        sparse_as_dense: bool,
-        average_aggregated_gradients: bool,
-        process_set: ProcessSet = ops.global_process_set,
-        scale_local_gradients: bool = True,
-    ) -> None:
-        super().__init__(
-            backward_passes_per_step,
-            allreduce_func,
-            sparse_as_dense,
-            average_aggregated_gradients,
-            process_set,
-            scale_local_gradients,
-            "",
-        )
 
     def _between_reductions(self, grads: list[Any], live: list[int]) -> list[Any]:
         """What a call that does not reduce returns: this rank's sums so far."""
