@@ -836,6 +836,6 @@ UNHEEDED: tuple[Unheeded, ...] = (
     CONTROLLER,
 )
 
-# ``HORA_*`` variables that the scripts in examples/ read, not ``hvd.init()``: not named as
-# unknown when set.
-SCRIPT_VARIABLES = ("HORA_VENV", "HORA_APPTAINER_IMAGE", "HORA_EXAMPLE_HOSTS")
+# ``HORA_*`` variables that the scripts in examples/ and ./dev read, not ``hvd.init()``: not
+# named as unknown when set.
+SCRIPT_VARIABLES = ("HORA_VENV", "HORA_APPTAINER_IMAGE", "HORA_EXAMPLE_HOSTS", "HORA_TEST_WORKERS")
