@@ -16,7 +16,7 @@ from hora.common import api
 from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.message import ReduceOp, RequestType
-from hora.torch import ops
+from hora.torch import deterministic_optimizer, ops
 from hora.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from hora.torch.averaging_optimizer import _DistributedOptimizer
 from hora.torch.compression import Compression
@@ -37,6 +37,9 @@ def DistributedOptimizer(  # Horovod's name
     process_set: ProcessSet = ops.global_process_set,
     shard_optimizer_state: bool = False,
     shard_gradients: bool = False,
+    *,
+    deterministic: bool | None = None,
+    microbatches: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged across ranks.
 
@@ -61,6 +64,12 @@ def DistributedOptimizer(  # Horovod's name
             allgathered (see docs/zero.md). hora's extension, not in Horovod.
         shard_gradients: ZeRO stage 2 (with ``shard_optimizer_state=True``): each ``.grad`` is
             also released once it has been sent, so a rank keeps only its gradient shard.
+        deterministic: combine gradients in one fixed order, the same bits at every world
+            size that divides ``microbatches`` (default: ``HORA_DETERMINISTIC``); each step's
+            backward passes then run in micro-batches, ``with optimizer.microbatch(mb):``
+            (see docs/deterministic.md). hora's extension, not in Horovod.
+        microbatches: ``K`` of deterministic mode, the micro-batches a step is cut into
+            (default: ``HORA_DETERMINISTIC_MICROBATCHES``).
 
     Returns:
         An optimizer of the same class with the distributed behaviour.
@@ -100,6 +109,10 @@ def DistributedOptimizer(  # Horovod's name
         process_set,
         shard_gradients,
     )
+    leaves = deterministic_optimizer.chosen_microbatches(deterministic, microbatches)
+    if leaves is not None:
+        sharded = shard_optimizer_state or shard_gradients
+        return deterministic_optimizer.make(optimizer, options, leaves, sharded)
     if shard_optimizer_state or shard_gradients:
         return make_sharded(shard_optimizer_state, optimizer, options)
     adasum = reduce_op == ReduceOp.ADASUM and api.size() > 1

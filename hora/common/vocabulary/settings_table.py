@@ -365,6 +365,21 @@ DISABLE_GROUP_FUSION = Variable(
     f"`1` fuses the tensors of a grouped op only with each other. {_SAME_ON_EVERY_RANK}",
     agreed=True,
 )  # fmt: skip
+DETERMINISTIC = Variable(
+    "DETERMINISTIC", BOOLEAN, False,
+    "`1` makes every `hvd.DistributedOptimizer` built without `deterministic=` combine gradients "
+    "in one fixed order over `HORA_DETERMINISTIC_MICROBATCHES` micro-batches: the same bits at "
+    "every world size that divides that number. The script runs its steps in micro-batches; "
+    "see [docs/deterministic.md](deterministic.md). Set it alike on every rank.",
+    horovod=False,
+)  # fmt: skip
+DETERMINISTIC_MICROBATCHES = Variable(
+    "DETERMINISTIC_MICROBATCHES", OPTIONAL_INTEGER, None,
+    "K of deterministic mode, the micro-batches every step is cut into, for optimizers built "
+    "without `microbatches=`; the job's world size must divide it. See "
+    "[docs/deterministic.md](deterministic.md). Set it alike on every rank.",
+    bounds=AT_LEAST_ONE, default_doc="unset", horovod=False,
+)  # fmt: skip
 LOG_LEVEL = Variable(
     "LOG_LEVEL", LEVEL, "WARNING",
     "`TRACE`, `DEBUG`, `INFO`, `WARNING`, `ERROR` or `FATAL`. hora logs to stderr as "
@@ -636,6 +651,8 @@ VARIABLES: tuple[Variable[object], ...] = (
     AUTOTUNE_STEPS_PER_SAMPLE,
     STEADY_STATE,
     DISABLE_GROUP_FUSION,
+    DETERMINISTIC,
+    DETERMINISTIC_MICROBATCHES,
     LOG_LEVEL,
     LOG_HIDE_TIME,
     CPU_OPERATIONS,

@@ -25,6 +25,7 @@ from hora.common.elastic.state import (
 )
 from hora.common.ops.objects import broadcast_object
 from hora.torch import zero_state
+from hora.torch.deterministic_sampler import DeterministicSampler
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from hora.torch.zero_optimizer import ShardedOptimizer
@@ -195,10 +196,11 @@ class ShardedOptimizerStateHandler(OptimizerStateHandler):
 
 
 class SamplerStateHandler(_StateDictHandler):
-    """:class:`ElasticSampler`: a copy of ``state_dict()`` (epoch, processed samples); synchronized
-    by broadcasting rank 0's ``state_dict()``; ``reset`` re-shards for the new job size."""
+    """:class:`ElasticSampler` (or deterministic mode's ``DeterministicSampler``): a copy of
+    ``state_dict()`` (epoch, processed samples or steps); synchronized by broadcasting rank 0's
+    ``state_dict()``; ``reset`` re-shards for the new job size."""
 
-    def __init__(self, sampler: ElasticSampler) -> None:
+    def __init__(self, sampler: ElasticSampler | DeterministicSampler) -> None:
         super().__init__(sampler)
 
     def check(self, snapshot: Any) -> None:
@@ -224,6 +226,7 @@ _DEFAULT_HANDLERS: tuple[tuple[type, type[StateHandler]], ...] = (
     (ShardedOptimizer, ShardedOptimizerStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
+    (DeterministicSampler, SamplerStateHandler),
 )
 
 
