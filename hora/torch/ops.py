@@ -1,9 +1,10 @@
 """Horovod's collective operations on PyTorch tensors.
 
 Each collective is written once, framework-neutral, in :mod:`hora.common.ops.collectives` (an
-``*_async`` function: checks, names, requests, an integer handle); the public asynchronous,
-synchronous, in-place and differentiable forms here are thin wrappers around it. This module
-knows PyTorch's autograd and compression; the rest is the engine's.
+``*_async`` function: checks, names, requests, an integer handle); the public forms are thin
+wrappers around it: the differentiable ones here (one autograd ``Function`` for all), those
+with handles and the in-place ones in :mod:`hora.torch.handle_ops` (re-exported here). This
+module knows PyTorch's autograd and compression; the rest is the engine's.
 """
 
 from __future__ import annotations
@@ -22,14 +23,28 @@ from hora.common.ops.collectives import Min as Min
 from hora.common.ops.collectives import Product as Product
 from hora.common.ops.collectives import Sum as Sum
 from hora.common.ops.collectives import join as _join
-from hora.common.ops.collectives import poll as poll
 from hora.common.ops.collectives import results as _results
-from hora.common.ops.collectives import synchronize as synchronize
+from hora.common.ops.collectives import synchronize as _synchronize
 from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
-from hora.common.vocabulary.errors import HoraValueError
-from hora.common.vocabulary.message import ReduceOp, RequestType
 from hora.torch.compression import Compression
+from hora.torch.handle_ops import allgather_async as allgather_async
+from hora.torch.handle_ops import allreduce_ as allreduce_
+from hora.torch.handle_ops import allreduce_async as allreduce_async
+from hora.torch.handle_ops import allreduce_async_ as allreduce_async_
+from hora.torch.handle_ops import alltoall_async as alltoall_async
+from hora.torch.handle_ops import broadcast_ as broadcast_
+from hora.torch.handle_ops import broadcast_async as broadcast_async
+from hora.torch.handle_ops import broadcast_async_ as broadcast_async_
+from hora.torch.handle_ops import grouped_allgather_async as grouped_allgather_async
+from hora.torch.handle_ops import grouped_allreduce_ as grouped_allreduce_
+from hora.torch.handle_ops import grouped_allreduce_async as grouped_allreduce_async
+from hora.torch.handle_ops import grouped_allreduce_async_ as grouped_allreduce_async_
+from hora.torch.handle_ops import grouped_reducescatter_async as grouped_reducescatter_async
+from hora.torch.handle_ops import poll as poll
+from hora.torch.handle_ops import reducescatter_async as reducescatter_async
+from hora.torch.handle_ops import sparse_allreduce_async as sparse_allreduce_async
+from hora.torch.handle_ops import synchronize as synchronize
 
 _allreduce = collectives.allreduce_async
 
@@ -88,38 +103,6 @@ def _compressed(
 
 
 # ---------------------------------------------------------------- allreduce
-
-
-def allreduce_async(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start reducing ``tensor`` across ranks; the result is a new tensor.
-
-    Returns:
-        A handle for :func:`poll` and :func:`synchronize`.
-    """
-    scales = (prescale_factor, postscale_factor)
-    return _allreduce([tensor], False, name, op, average, *scales, process_set, False)
-
-
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start reducing ``tensor`` in place."""
-    scales = (prescale_factor, postscale_factor)
-    return _allreduce([tensor], True, name, op, average, *scales, process_set, False)
 
 
 def _differentiable_allreduce(
@@ -186,54 +169,6 @@ def allreduce(
     return result
 
 
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
-    """Reduce ``tensor`` in place and return it."""
-    return cast(
-        torch.Tensor,
-        synchronize(
-            allreduce_async_(
-                tensor, average, name, op, prescale_factor, postscale_factor, process_set
-            )
-        ),
-    )
-
-
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start reducing a list of tensors as one negotiated, fused operation."""
-    scales = (prescale_factor, postscale_factor)
-    return _allreduce(tensors, False, name, op, average, *scales, process_set, True)
-
-
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """In-place form of :func:`grouped_allreduce_async`."""
-    scales = (prescale_factor, postscale_factor)
-    return _allreduce(tensors, True, name, op, average, *scales, process_set, True)
-
-
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -255,54 +190,6 @@ def grouped_allreduce(
     )
 
 
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Reduce a list of tensors in place."""
-    return cast(
-        list[torch.Tensor],
-        synchronize(
-            grouped_allreduce_async_(
-                tensors, average, name, op, prescale_factor, postscale_factor, process_set
-            )
-        ),
-    )
-
-
-def sparse_allreduce_async(
-    tensor: torch.Tensor, name: str, op: Any, process_set: ProcessSet = global_process_set
-) -> Any:
-    """Reduce a sparse COO tensor by gathering indices and values; returns a callable.
-
-    Calling the returned function waits and gives the reduced sparse tensor (duplicates are
-    not coalesced, as in Horovod).
-    """
-    reduce_op = submission.resolve_op(op, None, RequestType.ALLREDUCE)
-    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise HoraValueError("sparse_allreduce_async supports only hvd.Average and hvd.Sum.")
-    tensor = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    indices = tensor._indices().t().contiguous()
-    values = tensor._values().contiguous()
-    h_indices = allgather_async(indices, name=f"{name}.indices", process_set=process_set)
-    h_values = allgather_async(values, name=f"{name}.values", process_set=process_set)
-    set_size = submission.set_size(process_set)
-
-    def finish() -> torch.Tensor:
-        all_values = synchronize(h_values)
-        all_indices = synchronize(h_indices)
-        if reduce_op == ReduceOp.AVERAGE:
-            all_values = all_values / set_size
-        return torch.sparse_coo_tensor(all_indices.t(), all_values, size=tensor.size())
-
-    return finish
-
-
 # ---------------------------------------------------------------- allgather
 
 
@@ -310,22 +197,6 @@ def _allgather(
     tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, grouped: bool
 ) -> int:
     return collectives.allgather_async(tensors, name, process_set, grouped)
-
-
-def allgather_async(
-    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> int:
-    """Start gathering ``tensor`` from every rank, concatenated along dimension 0."""
-    return _allgather([tensor], name, process_set, False)
-
-
-def grouped_allgather_async(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start gathering a list of tensors as one negotiated operation."""
-    return _allgather(list(tensors), name, process_set, True)
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
@@ -377,26 +248,6 @@ def grouped_allgather(
 # ---------------------------------------------------------------- broadcast
 
 
-def broadcast_async(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start copying ``root_rank``'s tensor to every rank (into a new tensor)."""
-    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=False)
-
-
-def broadcast_async_(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start broadcasting into ``tensor`` in place."""
-    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=True)
-
-
 def broadcast(
     tensor: torch.Tensor,
     root_rank: int,
@@ -412,11 +263,15 @@ def broadcast(
     """
 
     def send(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [synchronize(broadcast_async(inputs[0], root_rank, name, process_set))]
+        handle = collectives.broadcast_async(inputs[0], root_rank, name, process_set, False)
+        return [_synchronize(handle)]
 
     def gather_to_root(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        reduced = synchronize(
-            allreduce_async(grads[0].contiguous(), op=Average, process_set=process_set)
+        (reduced,) = _results(
+            _allreduce(
+                _contiguous(grads), False, None, Average, None, 1.0, 1.0, process_set, False
+            ),
+            False,
         )
         return [reduced if api.rank() == root_rank else reduced * 0]
 
@@ -424,27 +279,7 @@ def broadcast(
     return cast(torch.Tensor, result)
 
 
-def broadcast_(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
-    """Broadcast into ``tensor`` in place and return it."""
-    return cast(torch.Tensor, synchronize(broadcast_async_(tensor, root_rank, name, process_set)))
-
-
 # ---------------------------------------------------------------- alltoall
-
-
-def alltoall_async(
-    tensor: torch.Tensor,
-    splits: Any = None,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Start an alltoall; ``synchronize`` gives ``(output, received_splits)``."""
-    return collectives.alltoall_async(tensor, splits, name, process_set)
 
 
 def alltoall(
@@ -466,7 +301,8 @@ def alltoall(
     """
 
     def exchange(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        output, received = synchronize(alltoall_async(inputs[0], splits, name, process_set))
+        handle = collectives.alltoall_async(inputs[0], splits, name, process_set)
+        output, received = _synchronize(handle)
         ctx.received = received
         ctx.mark_non_differentiable(received)
         return [output, received]
@@ -474,9 +310,8 @@ def alltoall(
     def send_back(ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         grad = grads[0]
         assert grad is not None
-        output, _ = synchronize(
-            alltoall_async(grad.contiguous(), ctx.received, process_set=process_set)
-        )
+        handle = collectives.alltoall_async(grad.contiguous(), ctx.received, None, process_set)
+        output, _ = _synchronize(handle)
         return [output]
 
     output, received = _differentiable(exchange, send_back, [tensor])
@@ -487,32 +322,6 @@ def alltoall(
 
 
 _reducescatter = collectives.reducescatter_async
-
-
-def reducescatter_async(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    op: Any = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> int:
-    """Start a reducescatter: reduce across ranks, then give each rank its slice of dim 0."""
-    return _reducescatter([tensor], name, op, process_set, prescale_factor, postscale_factor, False)
-
-
-def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    op: Any = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> int:
-    """Start reducescatters of a list of tensors, negotiated together."""
-    return _reducescatter(
-        list(tensors), name, op, process_set, prescale_factor, postscale_factor, True
-    )
 
 
 def _differentiable_reducescatter(
@@ -534,7 +343,7 @@ def _differentiable_reducescatter(
         size = submission.set_size(process_set)
         factor = collectives.reducescatter_gradient_factor(op, prescale, postscale, size)
         return [
-            synchronize(allgather_async((g * factor).contiguous(), process_set=process_set))
+            _synchronize(_allgather([(g * factor).contiguous()], None, process_set, False))
             for g in grads
         ]
 

@@ -1,0 +1,250 @@
+"""Horovod's collectives in their forms with handles: ``*_async`` (a new tensor) and ``*_async_``
+(in place) return an integer handle for :func:`poll` and :func:`synchronize`; ``allreduce_`` and
+the other in-place forms wait for it. :mod:`hora.torch.ops` re-exports them all.
+
+Each is a thin wrapper around :mod:`hora.common.ops.collectives`' ``*_async`` functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+
+from hora.common.ops import collectives, submission
+from hora.common.ops.collectives import poll as poll
+from hora.common.ops.collectives import synchronize as synchronize
+from hora.common.process_sets import ProcessSet
+from hora.common.process_sets import global_process_set as global_process_set
+from hora.common.vocabulary.errors import HoraValueError
+from hora.common.vocabulary.message import ReduceOp, RequestType
+
+_allreduce = collectives.allreduce_async
+_reducescatter = collectives.reducescatter_async
+Average = ReduceOp.AVERAGE
+
+
+# ---------------------------------------------------------------- allreduce
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing ``tensor`` across ranks; the result is a new tensor.
+
+    Returns:
+        A handle for :func:`poll` and :func:`synchronize`.
+    """
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce([tensor], False, name, op, average, *scales, process_set, False)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing ``tensor`` in place."""
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce([tensor], True, name, op, average, *scales, process_set, False)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place and return it."""
+    return cast(
+        torch.Tensor,
+        synchronize(
+            allreduce_async_(
+                tensor, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        ),
+    )
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing a list of tensors as one negotiated, fused operation."""
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce(tensors, False, name, op, average, *scales, process_set, True)
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """In-place form of :func:`grouped_allreduce_async`."""
+    scales = (prescale_factor, postscale_factor)
+    return _allreduce(tensors, True, name, op, average, *scales, process_set, True)
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place."""
+    return cast(
+        list[torch.Tensor],
+        synchronize(
+            grouped_allreduce_async_(
+                tensors, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        ),
+    )
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: Any, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Reduce a sparse COO tensor by gathering indices and values; returns a callable.
+
+    Calling the returned function waits and gives the reduced sparse tensor (duplicates are
+    not coalesced, as in Horovod).
+    """
+    reduce_op = submission.resolve_op(op, None, RequestType.ALLREDUCE)
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise HoraValueError("sparse_allreduce_async supports only hvd.Average and hvd.Sum.")
+    tensor = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = tensor._indices().t().contiguous()
+    values = tensor._values().contiguous()
+    h_indices = allgather_async(indices, name=f"{name}.indices", process_set=process_set)
+    h_values = allgather_async(values, name=f"{name}.values", process_set=process_set)
+    set_size = submission.set_size(process_set)
+
+    def finish() -> torch.Tensor:
+        all_values = synchronize(h_values)
+        all_indices = synchronize(h_indices)
+        if reduce_op == ReduceOp.AVERAGE:
+            all_values = all_values / set_size
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, size=tensor.size())
+
+    return finish
+
+
+# ---------------------------------------------------------------- allgather
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
+    """Start gathering ``tensor`` from every rank, concatenated along dimension 0."""
+    return collectives.allgather_async([tensor], name, process_set, False)
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start gathering a list of tensors as one negotiated operation."""
+    return collectives.allgather_async(list(tensors), name, process_set, True)
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start copying ``root_rank``'s tensor to every rank (into a new tensor)."""
+    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=False)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start broadcasting into ``tensor`` in place."""
+    return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=True)
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Broadcast into ``tensor`` in place and return it."""
+    return cast(torch.Tensor, synchronize(broadcast_async_(tensor, root_rank, name, process_set)))
+
+
+# ---------------------------------------------------------------- alltoall
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start an alltoall; ``synchronize`` gives ``(output, received_splits)``."""
+    return collectives.alltoall_async(tensor, splits, name, process_set)
+
+
+# ---------------------------------------------------------------- reducescatter
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start a reducescatter: reduce across ranks, then give each rank its slice of dim 0."""
+    scales = (prescale_factor, postscale_factor)
+    return _reducescatter([tensor], name, op, process_set, *scales, False)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start reducescatters of a list of tensors, negotiated together."""
+    scales = (prescale_factor, postscale_factor)
+    return _reducescatter(list(tensors), name, op, process_set, *scales, True)
