@@ -2,7 +2,11 @@
 (in place) return an integer handle for :func:`poll` and :func:`synchronize`; ``allreduce_`` and
 the other in-place forms wait for it. :mod:`hora.torch.ops` re-exports them all.
 
-Each is a thin wrapper around :mod:`hora.common.ops.collectives`' ``*_async`` functions.
+Each is a thin wrapper around :mod:`hora.common.ops.collectives`' ``*_async`` functions. While
+``torch.compile`` traces, a graph cannot hold an integer handle: a form with a handle breaks the
+graph there, with a message that names the functional form to use, and runs eagerly; an in-place
+form traces as the functional operator (:mod:`hora.torch.compiled_forms`) whose result is copied
+into its tensors.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
 from hora.common.vocabulary.errors import HoraValueError
 from hora.common.vocabulary.message import ReduceOp, RequestType
+from hora.torch import compiled_forms as compiled
+from hora.torch.compiled_ops import tracing
 
 _allreduce = collectives.allreduce_async
 _reducescatter = collectives.reducescatter_async
@@ -43,6 +49,8 @@ def allreduce_async(
         A handle for :func:`poll` and :func:`synchronize`.
     """
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        compiled.no_handle("allreduce_async", "allreduce")
     return _allreduce([tensor], False, name, op, average, *scales, process_set, False)
 
 
@@ -57,6 +65,8 @@ def allreduce_async_(
 ) -> int:
     """Start reducing ``tensor`` in place."""
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        compiled.no_handle("allreduce_async_", "allreduce_")
     return _allreduce([tensor], True, name, op, average, *scales, process_set, False)
 
 
@@ -70,6 +80,9 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
+    if tracing():
+        scales = (prescale_factor, postscale_factor)
+        return compiled.allreduce_(tensor, average, name, op, *scales, process_set)
     return cast(
         torch.Tensor,
         synchronize(
@@ -91,6 +104,8 @@ def grouped_allreduce_async(
 ) -> int:
     """Start reducing a list of tensors as one negotiated, fused operation."""
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        compiled.no_handle("grouped_allreduce_async", "grouped_allreduce")
     return _allreduce(tensors, False, name, op, average, *scales, process_set, True)
 
 
@@ -105,6 +120,8 @@ def grouped_allreduce_async_(
 ) -> int:
     """In-place form of :func:`grouped_allreduce_async`."""
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        compiled.no_handle("grouped_allreduce_async_", "grouped_allreduce_")
     return _allreduce(tensors, True, name, op, average, *scales, process_set, True)
 
 
@@ -118,6 +135,9 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place."""
+    if tracing():
+        scales = (prescale_factor, postscale_factor)
+        return compiled.grouped_allreduce_(tensors, average, name, op, *scales, process_set)
     return cast(
         list[torch.Tensor],
         synchronize(
@@ -163,6 +183,8 @@ def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Start gathering ``tensor`` from every rank, concatenated along dimension 0."""
+    if tracing():
+        compiled.no_handle("allgather_async", "allgather")
     return collectives.allgather_async([tensor], name, process_set, False)
 
 
@@ -172,6 +194,8 @@ def grouped_allgather_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start gathering a list of tensors as one negotiated operation."""
+    if tracing():
+        compiled.no_handle("grouped_allgather_async", "grouped_allgather")
     return collectives.allgather_async(list(tensors), name, process_set, True)
 
 
@@ -185,6 +209,8 @@ def broadcast_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start copying ``root_rank``'s tensor to every rank (into a new tensor)."""
+    if tracing():
+        compiled.no_handle("broadcast_async", "broadcast")
     return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=False)
 
 
@@ -195,6 +221,8 @@ def broadcast_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start broadcasting into ``tensor`` in place."""
+    if tracing():
+        compiled.no_handle("broadcast_async_", "broadcast_")
     return collectives.broadcast_async(tensor, root_rank, name, process_set, in_place=True)
 
 
@@ -205,6 +233,8 @@ def broadcast_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Broadcast into ``tensor`` in place and return it."""
+    if tracing():
+        return compiled.broadcast_(tensor, root_rank, name, process_set)
     return cast(torch.Tensor, synchronize(broadcast_async_(tensor, root_rank, name, process_set)))
 
 
@@ -218,6 +248,8 @@ def alltoall_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Start an alltoall; ``synchronize`` gives ``(output, received_splits)``."""
+    if tracing():
+        compiled.no_handle("alltoall_async", "alltoall")
     return collectives.alltoall_async(tensor, splits, name, process_set)
 
 
@@ -234,6 +266,8 @@ def reducescatter_async(
 ) -> int:
     """Start a reducescatter: reduce across ranks, then give each rank its slice of dim 0."""
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        compiled.no_handle("reducescatter_async", "reducescatter")
     return _reducescatter([tensor], name, op, process_set, *scales, False)
 
 
@@ -247,4 +281,6 @@ def grouped_reducescatter_async(
 ) -> int:
     """Start reducescatters of a list of tensors, negotiated together."""
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        compiled.no_handle("grouped_reducescatter_async", "grouped_reducescatter")
     return _reducescatter(list(tensors), name, op, process_set, *scales, True)

@@ -5,6 +5,9 @@ Each collective is written once, framework-neutral, in :mod:`hora.common.ops.col
 wrappers around it: the differentiable ones here (one autograd ``Function`` for all), those
 with handles and the in-place ones in :mod:`hora.torch.handle_ops` (re-exported here). This
 module knows PyTorch's autograd and compression; the rest is the engine's.
+
+While ``torch.compile`` traces (``torch.compiler.is_compiling()``), each public function takes
+its form of :mod:`hora.torch.compiled_forms` instead: a custom operator, one node of the graph.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from hora.common.ops.collectives import results as _results
 from hora.common.ops.collectives import synchronize as _synchronize
 from hora.common.process_sets import ProcessSet
 from hora.common.process_sets import global_process_set as global_process_set
+from hora.torch import compiled_forms as _compiled
+from hora.torch.compiled_ops import tracing as _tracing
 from hora.torch.compression import Compression
 from hora.torch.handle_ops import allgather_async as allgather_async
 from hora.torch.handle_ops import allreduce_ as allreduce_
@@ -159,6 +164,8 @@ def allreduce(
         >>> total = hvd.allreduce(torch.tensor([hvd.rank()]), op=hvd.Sum)
     """
     scales = (prescale_factor, postscale_factor)
+    if _tracing():
+        return _compiled.allreduce(tensor, average, name, compression, op, *scales, process_set)
     (result,) = _compressed(
         compression,
         [tensor],
@@ -181,6 +188,9 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors together (one negotiation, fused where possible)."""
     scales = (prescale_factor, postscale_factor)
+    if _tracing():
+        args = (average, name, compression, op, *scales, process_set)
+        return _compiled.grouped_allreduce(tensors, *args)
     return _compressed(
         compression,
         tensors,
@@ -232,6 +242,8 @@ def allgather(
     Example:
         >>> hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
     """
+    if _tracing():
+        return _compiled.allgather(tensor, name, process_set)
     (result,) = _differentiable_allgather([tensor], False, name, process_set)
     return cast(torch.Tensor, result)
 
@@ -242,6 +254,8 @@ def grouped_allgather(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Allgather each tensor of a list, negotiated together."""
+    if _tracing():
+        return _compiled.grouped_allgather(tensors, name, process_set)
     return list(_differentiable_allgather(list(tensors), True, name, process_set))
 
 
@@ -261,6 +275,8 @@ def broadcast(
     Example:
         >>> weights = hvd.broadcast(weights, root_rank=0)
     """
+    if _tracing():
+        return _compiled.broadcast(tensor, root_rank, name, process_set)
 
     def send(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         handle = collectives.broadcast_async(inputs[0], root_rank, name, process_set, False)
@@ -299,6 +315,8 @@ def alltoall(
     Returns:
         The received tensor; ``(received, received_splits)`` when ``splits`` is given.
     """
+    if _tracing():
+        return _compiled.alltoall(tensor, splits, name, process_set)
 
     def exchange(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         handle = collectives.alltoall_async(inputs[0], splits, name, process_set)
@@ -364,6 +382,9 @@ def reducescatter(
     When dimension 0 does not divide evenly, the first ``dim0 % size`` ranks get one extra row.
     """
     scales = (prescale_factor, postscale_factor)
+    if _tracing():
+        args = (name, compression, op, process_set, *scales)
+        return _compiled.reducescatter(tensor, *args)
     (result,) = _compressed(
         compression,
         [tensor],
@@ -383,6 +404,9 @@ def grouped_reducescatter(
 ) -> list[torch.Tensor]:
     """Reducescatter each tensor of a list, negotiated together."""
     scales = (prescale_factor, postscale_factor)
+    if _tracing():
+        args = (name, compression, op, process_set, *scales)
+        return _compiled.grouped_reducescatter(tensors, *args)
     return _compressed(
         compression,
         tensors,
