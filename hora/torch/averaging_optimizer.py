@@ -20,7 +20,8 @@ from hora.common import api, metrics
 from hora.common.ops import engine_facts, submission
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.timeline_writer import TRAINING_ROW
-from hora.torch import ops
+from hora.torch import compiled_optimizer, ops
+from hora.torch.compiled_ops import tracing
 from hora.torch.gradient_reduction import (
     HELD,
     STEP_AFTER_SYNCHRONIZE,
@@ -36,13 +37,11 @@ from hora.torch.gradient_reduction import (
     count_step,
     elastic_job,
     global_step_hooks,
-    guarded_zero_grad,
     parameter_names,
     set_backward_passes_per_step,
     skip_synchronize,
     split_groups,
     step_only,
-    weak_gradient_hook,
 )
 
 
@@ -51,6 +50,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # The subclass the factory makes; super(_hora_class, self) is the wrapped optimizer class.
     _hora_class: type[torch.optim.Optimizer]
+    # Whether a result the engine lends may become a gradient's memory (a traced step copies).
+    _lend_results = True
+    # Whether the wrapped optimizer's step() is torch.optim's, which breaks a compiled graph.
+    _step_breaks_graph = False
 
     def __init__(self, params: Any, options: DistributedOptions) -> None:
         super(self._hora_class, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes its defaults
@@ -105,7 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     options.process_set,
                     lend=True,
                 )
-            self._hooks.append(p.register_post_accumulate_grad_hook(weak_gradient_hook(self)))
+        self._hooks, self._anchor_slot = compiled_optimizer.register_hooks(self, params)
 
     # ------------------------------------------------------------------ gradient flow
 
@@ -375,6 +378,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             and output.shape == grad.shape
             and output.device == grad.device
             and engine_facts.owns_its_memory(grad)
+            and self._lend_results
         ):
             # The engine lent its buffer's view instead of writing into the submitted tensor
             # (see RepeatedAllreduce): the gradient adopts that memory, as Horovod's optimizer
@@ -391,6 +395,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     skip_synchronize = skip_synchronize
 
     def step(self, closure: Any = None) -> Any:
+        if tracing():  # torch.compile: the gradients' synchronization is one operator
+            compiled_optimizer.traced_synchronize(self)
+            if self._step_breaks_graph:
+                # torch.optim's step() breaks the graph inside a try block, where Dynamo
+                # cannot resume: break here, where it can.
+                torch._dynamo.graph_break()
+            return super(self._hora_class, self).step(closure)  # type: ignore[misc]
         timeline = current_timeline()
         started = timeline.now() if timeline is not None else 0
         in_parts = False
@@ -408,7 +419,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         count_step(timeline, started)
         return result
 
-    zero_grad = guarded_zero_grad
+    zero_grad = compiled_optimizer.zero_grad
     set_backward_passes_per_step = set_backward_passes_per_step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
