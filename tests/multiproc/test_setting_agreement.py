@@ -68,6 +68,19 @@ def test_slot_sizes_set_differently_are_named_with_each_value() -> None:
         )
 
 
+@pytest.mark.timeout(120)
+def test_deterministic_mode_on_some_ranks_only_is_named() -> None:
+    # A rank in deterministic mode sums in another order and with other collectives than one
+    # that is not: its first step would wait for collectives the others never submit.
+    ranks = run_job(_starts, 2, "HORA_DETERMINISTIC", ["1", "0"])
+    for seen in ranks:
+        assert_raised(
+            seen["error"],
+            ValueError,
+            "HORA_DETERMINISTIC differs across ranks: rank 0 has 1, rank 1 has 0.",
+        )
+
+
 def _reduce_through_shared_memory() -> dict[str, Any]:
     import torch
 

@@ -211,6 +211,8 @@ def test_the_settings_that_choose_paths_are_compared() -> None:
         "HORA_CACHE_CAPACITY",
         "HORA_STEADY_STATE",
         "HORA_AUTOTUNE",
+        "HORA_DETERMINISTIC",
+        "HORA_DETERMINISTIC_MICROBATCHES",
     } <= compared
     # Only settings hvd.init() reads can be compared, and the docs say which they are.
     settings_variables = set(SETTINGS_VARIABLES.values())

@@ -146,6 +146,10 @@ class Settings:
         hierarchical_allgather: Horovod's setting, named when set (hora has no such allgather).
         gpu_operations: how CUDA tensors move, ``nccl`` or ``host`` (through host memory).
         enable_nvtx: mark the engine's phases as NVTX ranges (a no-op without CUDA).
+        deterministic: whether optimizers built without ``deterministic=`` sum in deterministic
+            mode's fixed order (see docs/deterministic.md).
+        deterministic_microbatches: that mode's K, for optimizers built without
+            ``microbatches=`` (``None``: unset).
     """
 
     fusion_threshold_bytes: int = _setting(table.FUSION_THRESHOLD)
@@ -172,6 +176,8 @@ class Settings:
     hierarchical_allgather: bool | None = _setting(table.HIERARCHICAL_ALLGATHER)
     gpu_operations: str = _setting(table.GPU_OPERATIONS)
     enable_nvtx: bool = _setting(table.ENABLE_NVTX)
+    deterministic: bool = _setting(table.DETERMINISTIC)
+    deterministic_microbatches: int | None = _setting(table.DETERMINISTIC_MICROBATCHES)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -202,7 +202,10 @@ class Variable(Generic[T_co]):
         return f"{self.env} (or {twin})" if twin else self.env
 
     def problem(self, value: Any) -> str | None:
-        """Why ``value`` is out of range or not allowed, or ``None`` when it is fine."""
+        """Why ``value`` is out of range or not allowed, or ``None`` when it is fine (an
+        optional variable left unset, ``None``, is fine)."""
+        if value is None:
+            return None
         if self.choices and value not in self.choices:
             return f"{self.env} must be one of {', '.join(self.choices)}; got {value!r}."
         if isinstance(value, float) and not math.isfinite(value):
@@ -370,15 +373,15 @@ DETERMINISTIC = Variable(
     "`1` makes every `hvd.DistributedOptimizer` built without `deterministic=` combine gradients "
     "in one fixed order over `HORA_DETERMINISTIC_MICROBATCHES` micro-batches: the same bits at "
     "every world size that divides that number. The script runs its steps in micro-batches; "
-    "see [docs/deterministic.md](deterministic.md). Set it alike on every rank.",
-    horovod=False,
+    f"see [docs/deterministic.md](deterministic.md). {_SAME_ON_EVERY_RANK}",
+    horovod=False, agreed=True,
 )  # fmt: skip
 DETERMINISTIC_MICROBATCHES = Variable(
     "DETERMINISTIC_MICROBATCHES", OPTIONAL_INTEGER, None,
     "K of deterministic mode, the micro-batches every step is cut into, for optimizers built "
     "without `microbatches=`; the job's world size must divide it. See "
-    "[docs/deterministic.md](deterministic.md). Set it alike on every rank.",
-    bounds=AT_LEAST_ONE, default_doc="unset", horovod=False,
+    f"[docs/deterministic.md](deterministic.md). {_SAME_ON_EVERY_RANK}",
+    bounds=AT_LEAST_ONE, default_doc="unset", horovod=False, agreed=True,
 )  # fmt: skip
 LOG_LEVEL = Variable(
     "LOG_LEVEL", LEVEL, "WARNING",
