@@ -150,8 +150,11 @@ def _model(seed: int, device: Any) -> Any:
     ).to(device)
 
 
-def _train(device: Any, optimizer_name: str, steps: int, amp: bool = False) -> dict[str, float]:
-    """hora on N ranks against one process on the whole batch, both on the GPU.
+def _train(
+    device: Any, optimizer_name: str, steps: int, amp: bool = False, shard: int = 0
+) -> dict[str, float]:
+    """hora on N ranks against one process on the whole batch, both on the GPU; ``shard``: the
+    ZeRO stage of hora's optimizer (1: ``shard_optimizer_state``, 2: and ``shard_gradients``).
 
     Returns the largest difference from the reference, and the largest difference between
     the ranks (which must be none: every rank applies the same averaged gradients).
@@ -168,8 +171,9 @@ def _train(device: Any, optimizer_name: str, steps: int, amp: bool = False) -> d
         return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 
     model = _model(100 + rank, device)  # ranks start apart; the broadcast fixes that
+    sharding = dict(shard_optimizer_state=True, shard_gradients=shard == 2) if shard else {}
     optimizer = hvd.DistributedOptimizer(
-        make(model.parameters()), named_parameters=model.named_parameters()
+        make(model.parameters()), named_parameters=model.named_parameters(), **sharding
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -219,7 +223,7 @@ def _train(device: Any, optimizer_name: str, steps: int, amp: bool = False) -> d
             reference_loss.backward()
             reference_optimizer.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every_rank = hvd.allgather(flat.unsqueeze(0), name=f"params.{optimizer_name}.{amp}")
+    every_rank = hvd.allgather(flat.unsqueeze(0), name=f"params.{optimizer_name}.{amp}.{shard}")
     return {
         "reference": max(
             (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
@@ -331,6 +335,9 @@ def _cuda_worker() -> dict[str, Any]:
     out["sgd_steady"] = _train(device, "sgd", steps=40)
     out["adam"] = _train(device, "adam", steps=6)
     out["amp"] = _train(device, "sgd", steps=12, amp=True)
+    # ZeRO: each rank keeps its shard of Adam's state (stage 1) and of the gradients (stage 2).
+    out["zero1_adam"] = _train(device, "adam", steps=6, shard=1)
+    out["zero2_adam"] = _train(device, "adam", steps=6, shard=2)
     torch.backends.cudnn.deterministic = True
     out["sync_batch_norm"] = _sync_batch_norm(device)
     hvd.shutdown()
@@ -383,6 +390,8 @@ def test_a_tensor_written_on_a_side_stream_is_reduced_with_its_final_values(
         ("sgd_steady", 1e-4, 1e-3),
         ("adam", 1e-5, 1e-4),
         ("amp", 5e-3, 5e-2),
+        ("zero1_adam", 1e-5, 1e-4),
+        ("zero2_adam", 1e-5, 1e-4),
     ],
 )
 def test_training_on_the_gpu_matches_one_process(
