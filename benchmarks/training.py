@@ -56,6 +56,21 @@ The report names the data path that hora's CUDA tensors took. Without a CUDA GPU
 exits with status 2::
 
     .venv/bin/python benchmarks/training.py --device cuda [--models ...] [--np N]
+
+``--compile`` compiles each mode's model with ``torch.compile`` (``--compile-mode`` picks the mode,
+``default`` unless it says ``max-autotune-no-cudagraphs``, ...): the single model and hora's
+model as they are (``DistributedOptimizer`` reduces the gradients that the compiled backward
+gives), DDP as ``torch.compile(DistributedDataParallel(model))`` (DDP's own recipe, whose graph is
+split at its buckets so that their allreduces overlap the backward pass). Goal: hora's
+throughput >= 1.1x DDP's, each compiled. Each mode's model is an instance of a subclass of its
+own (Dynamo would otherwise run one graph for all three, see ``own_class``), and each worker
+compiles a small layer first (imports and Inductor's start, once a process). The report adds
+each mode's compile time (its first step less its median step, slowest rank; each mode's first
+step starts from empty compile caches, so that it compiles from scratch) and the graph breaks
+``torch._dynamo.explain`` counts in DDP's and hora's training step (zero_grad, forward, loss,
+backward, step)::
+
+    .venv/bin/python benchmarks/training.py --compile [--compile-mode MODE] [--models ...]
 """
 
 from __future__ import annotations
@@ -68,6 +83,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +104,7 @@ import charts
 import harness
 
 GOAL = 1.05  # hora throughput / DDP throughput
+COMPILED_GOAL = 1.1  # the same, each compiled (--compile)
 GOALS = {"cpu": GOAL, "cuda": 1.0}  # the same, by --device
 # With one worker: hora samples/s / single-process samples/s (hora's overhead at most 2%).
 ALONE_GOAL = 0.98
@@ -319,6 +337,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="DistributedOptimizer(groups=N): reduce the gradients as N grouped allreduces "
         "(default 0: one allreduce per parameter, Horovod's default)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every mode's model with torch.compile (DDP: the DDP module)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default="default",
+        help="torch.compile's mode with --compile (default, max-autotune-no-cudagraphs, ...)",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results here")
     harness.add_chart_options(parser, CHART)
     args = parser.parse_args(argv)
@@ -340,6 +368,8 @@ def relaunch(args: argparse.Namespace) -> int:
     forwarded += ["--hora-groups", str(args.hora_groups), "--device", args.device]
     if args.batch_size is not None:
         forwarded += ["--batch-size", str(args.batch_size)]
+    if args.compile:
+        forwarded += ["--compile", "--compile-mode", args.compile_mode]
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
     chart = harness.chart_path(args, CHART)
@@ -398,6 +428,19 @@ def make_step(
     return step
 
 
+def make_plain_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+) -> Callable[[], None]:
+    """The same training step without its timers (what ``torch._dynamo.explain`` looks at)."""
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+
+    return step
+
+
 def hora_step(spec: ModelSpec, batch_size: int | None = None) -> Callable[[], float]:
     """A hora-trained copy of ``spec``'s model (as in the hora mode) and its timed step.
 
@@ -434,10 +477,17 @@ class Mode:
     module: nn.Module
     totals: list[float] = field(default_factory=list)
     phases: list[tuple[float, float, float]] = field(default_factory=list)
+    # The step without timers (None: this rank sits the mode out), and its first step's time.
+    plain: Callable[[], None] | None = None
+    first_s: float = 0.0
 
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+
+
+def no_compile(module: nn.Module) -> nn.Module:
+    return module
 
 
 def build_modes(
@@ -447,9 +497,11 @@ def build_modes(
     size: int,
     hora_groups: int = 0,
     device: torch.device | None = None,
+    compiler: Callable[[nn.Module], nn.Module] = no_compile,
 ) -> tuple[dict[str, Mode], nn.Module]:
     """The three modes of one model, each on its own copy of the same seeded initialisation, on
-    ``device`` (the CPU by default).
+    ``device`` (the CPU by default); ``compiler`` makes what each mode runs of its model (the
+    model itself, or ``torch.compile``'s module for ``--compile``; DDP's wraps the DDP module).
 
     Returns:
         (modes by name, the bare module that DDP wraps).
@@ -459,6 +511,8 @@ def build_modes(
     for _ in MODES:
         torch.manual_seed(SEED)
         copies.append(spec.build().to(device))
+    if compiler is not no_compile:
+        copies = [own_class(copy, name) for copy, name in zip(copies, MODES)]
     single_model, ddp_module, hora_model = copies
     # The batch is drawn on the CPU, so that every device trains on the same data.
     generator = torch.Generator().manual_seed(SEED + 1 + rank)
@@ -466,9 +520,6 @@ def build_modes(
     labels = torch.randint(0, CLASSES, (batch_size,), generator=generator).to(device)
     sync = device_sync(device)
 
-    single_step = (
-        make_step(single_model, sgd(single_model), inputs, labels, sync) if rank == 0 else None
-    )
     # Buffers (BatchNorm statistics) stay rank-local after the initial sync, as with hora.
     device_ids = [device.index] if device.type == "cuda" else None
     ddp_model = DistributedDataParallel(ddp_module, device_ids=device_ids, **NO_BUFFER_SYNC)
@@ -478,15 +529,19 @@ def build_modes(
         groups=hora_groups or None,
     )
     hvd.broadcast_parameters(hora_model.state_dict(), root_rank=0)
-    modes = {
-        "single": Mode("single", single_step, 1, single_model),
-        "ddp": Mode(
-            "ddp", make_step(ddp_model, sgd(ddp_model), inputs, labels, sync), size, ddp_module
-        ),
-        "hora": Mode(
-            "hora", make_step(hora_model, optimizer, inputs, labels, sync), size, hora_model
-        ),
+    trained = {
+        "single": (compiler(single_model), sgd(single_model), 1, single_model),
+        "ddp": (compiler(ddp_model), sgd(ddp_model), size, ddp_module),
+        "hora": (compiler(hora_model), optimizer, size, hora_model),
     }
+    modes = {}
+    for name, (runs, optim, workers, module) in trained.items():
+        if name == "single" and rank != 0:
+            modes[name] = Mode(name, None, workers, module)
+            continue
+        step = make_step(runs, optim, inputs, labels, sync)
+        plain = make_plain_step(runs, optim, inputs, labels)
+        modes[name] = Mode(name, step, workers, module, plain=plain)
     return modes, ddp_module
 
 
@@ -518,10 +573,12 @@ class Alternation:
 
     Blocks run in the order A, B, C, C, B, A, ... so that drift in the machine's load falls on all
     alike. Before any block that is not hora's, hora's engine gets ``settle_s`` to park, so that
-    its idle cycles do not compete with the other mode for the CPU.
+    its idle cycles do not compete with the other mode for the CPU. With ``fresh_caches``, each
+    mode's first step (where a compiled model compiles) starts from empty compile caches.
     """
 
     settle_s: float
+    fresh_caches: bool = False
 
     def run(self, modes: dict[str, Mode], reps: int, warmup: int, block: int) -> None:
         """Time each mode ``reps`` steps, in blocks of ``block``, after ``warmup`` untimed steps.
@@ -533,8 +590,13 @@ class Alternation:
             time.sleep(self.settle_s)
             dist.barrier()
             if mode.step is not None:
-                for _ in range(warmup):
-                    mode.step()
+                for index in range(warmup):
+                    caches = fresh_caches() if index == 0 and self.fresh_caches else nullcontext()
+                    start = time.perf_counter()
+                    with caches:
+                        mode.step()
+                    if index == 0:  # a compiled model compiles in its first step
+                        mode.first_s = time.perf_counter() - start
         for mode in itertools.cycle([*order, *reversed(order)]):
             count = min(block, reps - len(mode.totals))
             if count > 0:
@@ -574,7 +636,12 @@ def bench_model(
 ) -> dict[str, Any]:
     batch_size = args.batch_size or spec.batch_size
     device = device or torch.device("cpu")
-    modes, ddp_module = build_modes(spec, batch_size, rank, size, args.hora_groups, device)
+    compiler = compiler_for(args.compile_mode) if args.compile else no_compile
+    if args.compile:
+        torch._dynamo.reset()  # the previous model's graphs, which count towards Dynamo's limit
+    modes, ddp_module = build_modes(
+        spec, batch_size, rank, size, args.hora_groups, device, compiler
+    )
     timer.run(modes, args.iters, args.warmup, args.block)
     parameters = list(modes["hora"].module.parameters())
     row: dict[str, Any] = {
@@ -598,6 +665,8 @@ def bench_model(
             "backward_s": breakdown[1],
             "optimizer_step_s": breakdown[2],
             "step_samples_s": slowest,
+            # The first step less a timed one: compiling, under --compile.
+            "compile_s": max(harness.slowest_rank([mode.first_s])[0] - step_s, 0.0),
         }
     single = row["single"]["samples_per_s"]
     hora_rate, ddp_rate = row["hora"]["samples_per_s"], row["ddp"]["samples_per_s"]
@@ -611,14 +680,66 @@ def bench_model(
         row["goal"] = f"hora >= {ALONE_GOAL:g}x single"
         row["pass"] = row["hora_efficiency"] >= ALONE_GOAL
     else:
-        row["goal"] = f"hora >= {GOALS[device.type]:g}x DDP"
-        row["pass"] = row["ratio"] >= GOALS[device.type]
+        goal = COMPILED_GOAL if args.compile else GOALS[device.type]
+        row["goal"] = f"hora >= {goal:g}x DDP"
+        row["pass"] = row["ratio"] >= goal
     # Both trained the same number of steps on the same data from the same start.
     hora_params = flat_parameters(modes["hora"].module)
     row["hora_vs_ddp_max_abs_diff"] = float((hora_params - flat_parameters(ddp_module)).abs().max())
     row["hora_ranks_agree"] = ranks_agree(modes["hora"].module)
     row["ddp_ranks_agree"] = ranks_agree(ddp_module)
+    if args.compile:
+        explained = {name: graph_breaks(modes[name]) for name in ("ddp", "hora")}
+        row["graph_breaks"] = {name: len(reasons) for name, reasons in explained.items()}
+        row["graph_break_reasons"] = explained
     return row
+
+
+def own_class(module: nn.Module, mode: str) -> nn.Module:
+    """``module``, made an instance of a subclass of its class of its own (for ``--compile``).
+
+    Dynamo keeps the code it compiles for a module on the code of ``nn.Module.__call__``, and
+    its guards check the module's class, not which module it is: without this, the second
+    mode's model would run the graph compiled for the first (DDP's without the split at its
+    buckets, and with no compile time of its own)."""
+    base = type(module)
+    attributes = {"__module__": base.__module__, "__qualname__": f"{base.__qualname__}.{mode}"}
+    module.__class__ = type(base.__name__, (base,), attributes)
+    return module
+
+
+def warm_compiler(mode: str) -> None:
+    """Compile and run a small layer once, before any mode's model compiles: importing Inductor
+    and starting its compiler happen once a process, and would otherwise count towards the
+    compile time of whichever mode compiles first on each rank."""
+    layer = torch.compile(nn.Linear(4, 2), mode=mode)
+    with fresh_caches():
+        layer(torch.randn(3, 4)).sum().backward()
+
+
+def fresh_caches() -> ContextManager[None]:
+    """Inductor's caches, emptied (and a directory of their own), for one mode's compiling: the
+    three modes compile the same model, and each one's compile time is its own."""
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache()
+
+
+def compiler_for(mode: str) -> Callable[[nn.Module], nn.Module]:
+    """``torch.compile`` in ``mode``."""
+
+    def compile_module(module: nn.Module) -> nn.Module:
+        return torch.compile(module, mode=mode)  # type: ignore[return-value]
+
+    return compile_module
+
+
+def graph_breaks(mode: Mode) -> list[str]:
+    """The graph breaks ``torch._dynamo.explain`` finds in one training step of ``mode`` (after
+    the timed ones; every rank takes this step): the first line of each one's reason."""
+    assert mode.plain is not None
+    explanation = torch._dynamo.explain(mode.plain)()
+    return [str(reason.reason).split("\n")[0] for reason in explanation.break_reasons]
 
 
 def block_ratios(hora_steps: list[float], ddp_steps: list[float], block: int) -> list[float]:
@@ -665,7 +786,9 @@ def format_table(results: dict[str, Any]) -> str:
         )
         for r in results["models"]
     ]
+    compiled = results.get("compile_mode")
     title = (
+        f"{'compiled (' + compiled + ') ' if compiled else ''}"
         f"hora {results['hora_version']} ({results['hora_revision']}) vs PyTorch DDP "
         f"(torch {results['torch_version']}, {results['ddp_backend']}), {size} ranks, "
         f"{results['device_label']}"
@@ -715,6 +838,15 @@ def format_table(results: dict[str, Any]) -> str:
         for r in results["models"]
     )
     notes += f"\nhora/DDP of each pair of adjacent blocks, lowest-highest: {spread}"
+    if compiled:
+        notes += "\ncompile s (first step less median, slowest rank), graph breaks in a step: " + (
+            "; ".join(
+                f"{r['model']} single {r['single']['compile_s']:.1f}, "
+                f"DDP {r['ddp']['compile_s']:.1f}, hora {r['hora']['compile_s']:.1f} s, "
+                f"breaks DDP {r['graph_breaks']['ddp']}, hora {r['graph_breaks']['hora']}"
+                for r in results["models"]
+            )
+        )
     passed = sum(r["pass"] for r in results["models"])
     summary = f"goals met: {passed}/{len(results['models'])}"
     lines = [title, *harness.table(header, rows)]
@@ -760,8 +892,12 @@ def worker(args: argparse.Namespace) -> None:
     init_raw_group(rank, size, device, shared)
     gpu_operations = os.environ.get("HORA_GPU_OPERATIONS") if device.type == "cuda" else None
     settings = Settings.from_env()
+    if args.compile:
+        warm_compiler(args.compile_mode)
     # Idle, hora's engine parks after a few cycles (about 5 ms at the default cycle time).
-    timer = Alternation(settle_s=max(0.05, 10 * settings.cycle_time_ms / 1000))
+    timer = Alternation(
+        settle_s=max(0.05, 10 * settings.cycle_time_ms / 1000), fresh_caches=args.compile
+    )
     results: dict[str, Any] = {
         **harness.versions(rank == 0),
         **harness.run_facts(),
@@ -773,6 +909,7 @@ def worker(args: argparse.Namespace) -> None:
         "fusion_threshold_bytes": settings.fusion_threshold_bytes,
         "batch_size": args.batch_size,
         "hora_groups": args.hora_groups,
+        "compile_mode": args.compile_mode if args.compile else None,
         "iters": args.iters,
         "warmup": args.warmup,
         "block": args.block,
