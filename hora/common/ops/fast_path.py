@@ -76,7 +76,7 @@ def run(
         HoraInternalError: a member was lost, or the wait timed out (the engine fails the
             job as it would for a failed collective).
     """
-    signature = header(kind, name, tensors, fields)
+    signature = _signature(engine, kind, name, tensors, fields, members)
     with lane.lock:
         if signature is None or not isinstance(lane, Lane):
             lane.post()
@@ -108,6 +108,25 @@ def run(
     else:
         handle.deliver(0, None)
     return handle
+
+
+def _signature(
+    engine: Engine,
+    kind: RequestType,
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    fields: Mapping[str, object],
+    members: Sequence[int],
+) -> bytes | None:
+    """The call's :func:`header`, or ``None`` when it goes to the engine in any case."""
+    if kind == RequestType.BROADCAST and fields.get("root_rank") not in members:
+        return None  # the engine's checks name the error
+    intake = engine.intake
+    if not intake.running or intake.shutdown_reason is not None or intake.failure is not None:
+        return None  # an ended job's calls raise why it ended
+    if engine.timeline is not None:
+        return None  # a timeline records the engine's phases of every call
+    return header(kind, name, tensors, fields)
 
 
 def join(lanes: Sequence[CallerLane]) -> None:
@@ -148,7 +167,9 @@ def _allreduce(
     op = ReduceOp.SUM if reduce_op == ReduceOp.AVERAGE else reduce_op
     lane.allreduce(flat, out, op, prescale)
     divisor = lane.size if reduce_op == ReduceOp.AVERAGE else 1
-    postscale(out, divisor, factor)
+    scaled = postscale(out, divisor, factor)
+    if scaled is not out:  # integers and halves are scaled through a wider copy
+        out.copy_(scaled)
     if len(tensors) > 1:
         for piece, tensor, target in zip(out.split([t.numel() for t in tensors]), tensors, outputs):
             (tensor if target is None else target).view(-1).copy_(piece)
