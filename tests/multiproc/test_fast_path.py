@@ -264,3 +264,55 @@ def test_join_falls_back_and_the_lane_comes_back_after_it(np: int) -> None:
         assert out["inline_after"] >= 5, out["inline_after"]
         assert torch.equal(out["session2"], torch.ones(2) * sum(range(np)))
         assert out["inline_session2"] == 1
+
+
+def _stopped_member() -> dict[str, Any]:
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("hora").addHandler(Keep(logging.WARNING))
+    pids = hvd.allgather_object(os.getpid())
+    hvd.allreduce(torch.ones(2), name="warm")
+    if rank == 0:
+        # Rank 1 stops itself; rank 0 resumes it after 4 s, from another thread.
+        threading.Timer(4.0, os.kill, (pids[1], signal.SIGCONT)).start()
+    start = time.monotonic()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    result = hvd.allreduce(torch.ones(2) * (rank + 1), name="x", op=hvd.Sum)
+    return {
+        "result": result.tolist(),
+        "elapsed_s": time.monotonic() - start,
+        "warnings": warnings,
+    }
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_stopped_member_is_waited_for_as_on_the_full_path(np: int) -> None:
+    # A member stopped for 4 s (SIGSTOP): the others' call goes to the engine after the lane's
+    # settling time and completes once the member is back, with the same warnings as on the
+    # full path (whose engine cannot exchange with a stopped rank either).
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1"}
+    fast = run_job(_stopped_member, np, env=env, timeout_s=60)
+    full = run_job(_stopped_member, np, env={**env, **FULL_PATH}, timeout_s=60)
+    total = float(sum(range(1, np + 1)))
+    for observed in fast + full:
+        assert observed["result"] == [total, total]
+    assert fast[0]["elapsed_s"] >= 3.5, fast[0]
+    assert [r["warnings"] for r in fast] == [r["warnings"] for r in full]
