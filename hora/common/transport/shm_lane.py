@@ -25,8 +25,9 @@ sequence numbers restart together in a new *epoch* after a join (:meth:`Lane.new
 and a member's marks are compared with the epoch in their high bits, so that a late member's
 old numbers never match new ones.
 
-Waiting: a member spins on the words, yielding its core between looks (``sched_yield``), then
-sleeps on the peer's *bell* (a futex word each post rings; the ringer makes the system call
+Waiting: a member looks at the words for at most :data:`SPIN_S` (no ``sched_yield``: on a
+busy core it hands the core to another process for a whole time slice), then sleeps on the
+peer's *bell* (a futex word each post rings; the ringer makes the system call
 only if someone sleeps). A wait in the data phase longer than the stall time logs which
 members have not arrived, and fails at the communicator's timeout; a lost peer ends it at once.
 
@@ -69,8 +70,8 @@ HALF_BYTES = 1 << 20
 SLOT_BYTES = HEAD_OFFSET + 2 * HEAD_BYTES + 2 * HALF_BYTES
 # How long a signed call waits for every member's post before it goes to the engine.
 SETTLE_S = 0.05
-# Looks at a word, each after yielding the core, before a waiter sleeps.
-YIELD_CHECKS = 200
+# How long a waiter looks at the words before it sleeps.
+SPIN_S = 50e-6
 # How long a waiter sleeps on a bell before it looks again.
 BELL_SLICE_S = 0.002
 _BELL_WRAP = 1 << 31
@@ -219,7 +220,6 @@ class Lane:
         cells = self._cells
         started = time.monotonic()
         settle_until = started + SETTLE_S
-        looks = 0
         while True:
             value = cells[cell]
             if value >> 2 == mark:
@@ -240,11 +240,9 @@ class Lane:
                         f"{self.describe(lagging)} is {CELLS} calls or more behind on the "
                         "shared-memory fast path"
                     )
-            looks += 1
-            if looks < YIELD_CHECKS:
-                os.sched_yield()
-            else:
-                self._sleep_on(waiting_for, time.monotonic() + BELL_SLICE_S)
+            now = time.monotonic()
+            if now - started > SPIN_S:
+                self._sleep_on(waiting_for, now + BELL_SLICE_S)
 
     def _verdict(self, mark: int, words: Sequence[int]) -> tuple[int, int]:
         """The decision the members' lines give for ``mark`` (0: none yet), and a member not
@@ -382,8 +380,8 @@ class Lane:
         pending = [m for m in self._others if not reached(arrival(m), target)]
         if not pending:
             return
-        for _ in range(YIELD_CHECKS):
-            os.sched_yield()
+        until = time.monotonic() + SPIN_S
+        while time.monotonic() < until:
             if all(reached(arrival(m), target) for m in pending):
                 return
         self._sleep_until(target)
