@@ -29,10 +29,16 @@ that of the slowest rank, and the table shows medians. Rank 0 prints the table; 
 also writes every sample there.
 
 ``--with-mpi`` starts the job through ``horarun --mpi`` (so ``mpirun``) with hora on its
-default path, and times raw mpi4py's ``Allreduce`` on the same buffers as a third column of the
-bandwidth rows::
+default path, and times raw mpi4py on the same buffers beside every row: ``Allreduce`` for the
+bandwidth and latency rows and the one-by-one small allreduces, ``Iallreduce`` of each tensor
+and then one wait for the grouped and asynchronous ones (shown in the goal column)::
 
     .venv/bin/python benchmarks/collectives.py --with-mpi [--np N] [--json results.json]
+
+``--load`` runs one busy process per core of the host while measuring (started by each host's
+local rank 0, stopped before the table is printed): the numbers of a machine that is busy, as a
+training job's usually is. ``HORA_FAST_PATH=0`` in the environment measures hora without its
+fast path (the title says which).
 
 ``--transport mpi`` measures hora's MPI data path instead: the script starts itself through
 ``horarun --mpi`` (so ``mpirun``), and compares hora's allreduce bus bandwidth, 1 to 64 MiB,
@@ -161,6 +167,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "beside hora and raw Gloo (hora keeps its default data path)",
     )
     parser.add_argument(
+        "--load",
+        action="store_true",
+        help="run one busy process per core on the host while measuring (a loaded machine)",
+    )
+    parser.add_argument(
         "--repeats",
         type=float,
         default=1.0,
@@ -184,6 +195,8 @@ def default_workers(transport: str) -> int:
 def relaunch(args: argparse.Namespace) -> int:
     """Start this script on ``args.np`` workers through horarun and return its exit status."""
     forwarded = ["--repeats", str(args.repeats), "--transport", args.transport]
+    if args.load:
+        forwarded.append("--load")
     if args.json:
         forwarded += ["--json", os.path.abspath(args.json)]
     chart = harness.chart_path(args, CHART)
@@ -385,20 +398,21 @@ def bench_fusion(timer: Comparison, factor: float) -> dict[str, Any]:
     }
 
 
-def bench_latency(timer: Comparison, factor: float, path: str) -> list[dict[str, Any]]:
+def bench_latency(
+    timer: Comparison, factor: float, path: str, mpi: tuple[Any, Any] | None
+) -> list[dict[str, Any]]:
     """One synchronous allreduce at a time: named (a repeated name is replayed by the steady
-    state) and, for the smallest size, unnamed (every unnamed call is negotiated anew)."""
+    state) and, for the smallest size, unnamed (every unnamed call is negotiated anew); raw
+    mpi4py beside them where ``mpi`` is given."""
     rows = []
     for nbytes, named in [(n, True) for n in LATENCY_SIZES] + [(LATENCY_SIZES[0], False)]:
         tensor = torch.zeros(nbytes // 4, dtype=torch.float32)
         name = f"latency.{nbytes}" if named else None
-        hora_times, raw_times = timer.run(
-            hora_allreduce(tensor, name),
-            raw_allreduce(tensor),
-            scaled(200, factor),
-            warmup=20,
-            block=20,
-        )
+        ops = [hora_allreduce(tensor, name), raw_allreduce(tensor)]
+        if mpi is not None:
+            ops.append(raw_mpi_allreduce(mpi[0], mpi[1], tensor))
+        samples = timer.run_all(ops, scaled(200, factor), warmup=20, block=20)
+        hora_times, raw_times = samples[0], samples[1]
         hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
         extra_us = (hora_s - raw_s) * 1e6
         if path == "shm" and nbytes == LATENCY_SIZES[0]:
@@ -418,9 +432,32 @@ def bench_latency(timer: Comparison, factor: float, path: str) -> list[dict[str,
                 "pass": passed,
                 "hora_samples_s": hora_times,
                 "raw_samples_s": raw_times,
+                **mpi_columns(samples),
             }
         )
     return rows
+
+
+def mpi_columns(samples: list[list[float]]) -> dict[str, Any]:
+    """Raw mpi4py's median and samples, when a third op was timed."""
+    if len(samples) < 3:
+        return {}
+    return {"mpi_s": statistics.median(samples[2]), "mpi_samples_s": samples[2]}
+
+
+def mpi_small_ops(tensors: list[torch.Tensor], comm: Any, mpi: Any) -> dict[str, Op]:
+    """Raw mpi4py's ways of running many small allreduces: one by one, and non-blocking
+    (``Iallreduce`` each, then wait for all) for both the grouped and asynchronous rows."""
+    arrays = [t.numpy() for t in tensors]
+
+    def one_by_one() -> None:
+        for array in arrays:
+            comm.Allreduce(mpi.IN_PLACE, array, mpi.SUM)
+
+    def non_blocking() -> None:
+        mpi.Request.Waitall([comm.Iallreduce(mpi.IN_PLACE, a, mpi.SUM) for a in arrays])
+
+    return {"one by one": one_by_one, "grouped": non_blocking, "async": non_blocking}
 
 
 def raw_coalesced(tensors: list[torch.Tensor]) -> None:
@@ -461,12 +498,18 @@ def small_ops(tensors: list[torch.Tensor]) -> dict[str, tuple[Op, Op]]:
     }
 
 
-def bench_small_ops(timer: Comparison, factor: float) -> list[dict[str, Any]]:
-    """Many small allreduces, one by one, grouped and asynchronous, against raw's same way."""
+def bench_small_ops(
+    timer: Comparison, factor: float, mpi: tuple[Any, Any] | None
+) -> list[dict[str, Any]]:
+    """Many small allreduces, one by one, grouped and asynchronous, against raw's same way
+    (and raw mpi4py's, where ``mpi`` is given)."""
     tensors = [torch.zeros(SMALL_OP_ELEMENTS, dtype=torch.float32) for _ in range(SMALL_OPS)]
+    mpi_ops = mpi_small_ops(tensors, *mpi) if mpi is not None else {}
     rows = []
     for way, (hora_op, raw_op) in small_ops(tensors).items():
-        hora_times, raw_times = timer.run(hora_op, raw_op, scaled(20, factor), warmup=3, block=5)
+        ops = [hora_op, raw_op, *([mpi_ops[way]] if mpi_ops else [])]
+        samples = timer.run_all(ops, scaled(20, factor), warmup=3, block=5)
+        hora_times, raw_times = samples[0], samples[1]
         hora_s, raw_s = statistics.median(hora_times), statistics.median(raw_times)
         goal = SMALL_OP_GOALS[way]
         rows.append(
@@ -481,6 +524,7 @@ def bench_small_ops(timer: Comparison, factor: float) -> list[dict[str, Any]]:
                 "pass": hora_s / raw_s <= goal,
                 "hora_samples_s": hora_times,
                 "raw_samples_s": raw_times,
+                **mpi_columns(samples),
             }
         )
     return rows
@@ -505,6 +549,11 @@ def duration(seconds: float) -> str:
 
 def latency_label(row: dict[str, Any]) -> str:
     return f"latency {size_label(row['bytes'])}{'' if row['named'] else ', unnamed'}"
+
+
+def mpi_note(row: dict[str, Any]) -> str:
+    """Raw mpi4py's time beside a row's goal, when it was timed."""
+    return f"; mpi4py {duration(row['mpi_s'])}" if "mpi_s" in row else ""
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -545,7 +594,8 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{row['hora_s'] / row['raw_s']:.2f}x time"
                 if by_ratio
                 else f"{row['extra_us']:+.0f} us",
-                f"<= {SHM_LATENCY_GOAL:g}x" if by_ratio else f"<= +{LATENCY_EXTRA_GOAL_US:.0f} us",
+                (f"<= {SHM_LATENCY_GOAL:g}x" if by_ratio else f"<= +{LATENCY_EXTRA_GOAL_US:.0f} us")
+                + mpi_note(row),
                 harness.verdict(row["pass"]),
             )
         )
@@ -556,13 +606,14 @@ def format_table(results: dict[str, Any]) -> str:
                 duration(row["hora_s"]),
                 duration(row["raw_s"]),
                 f"{row['ratio']:.2f}x time",
-                f"<= {SMALL_OP_GOALS[row['way']]:g}x",
+                f"<= {SMALL_OP_GOALS[row['way']]:g}x" + mpi_note(row),
                 harness.verdict(row["pass"]),
             )
         )
     title = (
         f"hora {results['hora_version']} ({results['hora_revision']}, data path "
-        f"{results['data_path']}) vs torch.distributed gloo (torch {results['torch_version']})"
+        f"{results['data_path']}, fast path {'on' if results['fast_path'] else 'off'}) vs "
+        f"torch.distributed gloo (torch {results['torch_version']})"
         f"{results['mpi_peer']}, {results['world_size']} ranks, "
         f"cycle time {results['cycle_time_ms']:g} ms; medians, slowest rank"
     )
@@ -630,6 +681,7 @@ def run_options(args: argparse.Namespace) -> str:
     """The options that shaped the measurements, as the chart's caption names them."""
     shown = "" if args.transport == "gloo" else f" --transport {args.transport}"
     shown += " --with-mpi" if mpi_launched() and args.transport == "gloo" else ""
+    shown += " --load" if args.load else ""
     return shown + (f" --repeats {args.repeats:g}" if args.repeats != 1.0 else "")
 
 
@@ -896,6 +948,7 @@ def worker(args: argparse.Namespace) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     init_raw_group(rank, size)
+    busy = start_load() if args.load and hvd.local_rank() == 0 else []
     cycle_time_ms = Settings.from_env().cycle_time_ms
     check_results(size)
     path = basics.data_path()
@@ -908,15 +961,17 @@ def worker(args: argparse.Namespace) -> None:
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "cycle_time_ms": cycle_time_ms,
+        "fast_path": Settings.from_env().fast_path,
         "data_path": path,
         "mpi_peer": "" if mpi is None else f" and mpi4py ({mpi[1].Get_library_version()[:12]})",
         "allreduce_bandwidth": bench_bandwidth(timer, args.repeats, path, mpi),
         "fusion": bench_fusion(timer, args.repeats),
-        "latency": bench_latency(timer, args.repeats, path),
-        "small_ops": bench_small_ops(timer, args.repeats),
+        "latency": bench_latency(timer, args.repeats, path, mpi),
+        "small_ops": bench_small_ops(timer, args.repeats, mpi),
         "options": run_options(args),
         **harness.run_facts(),
     }
+    stop_load(busy)
     dist.barrier()
     results["elapsed_s"] = time.perf_counter() - started
     results["load_after"] = os.getloadavg()
@@ -933,6 +988,18 @@ def worker(args: argparse.Namespace) -> None:
         mpi[0].Free()
     dist.destroy_process_group()
     hvd.shutdown()
+
+
+def start_load() -> list[subprocess.Popen[bytes]]:
+    """One busy process per core of the host (``--load``), until :func:`stop_load`."""
+    spin = "while True: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+
+
+def stop_load(busy: list[subprocess.Popen[bytes]]) -> None:
+    for process in busy:
+        process.kill()
+        process.wait()
 
 
 def mpi_peer() -> tuple[Any, Any] | None:

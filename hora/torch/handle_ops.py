@@ -83,14 +83,9 @@ def allreduce_(
     if tracing():
         scales = (prescale_factor, postscale_factor)
         return compiled.allreduce_(tensor, average, name, op, *scales, process_set)
-    return cast(
-        torch.Tensor,
-        synchronize(
-            allreduce_async_(
-                tensor, average, name, op, prescale_factor, postscale_factor, process_set
-            )
-        ),
-    )
+    scales = (prescale_factor, postscale_factor)
+    handle = _allreduce([tensor], True, name, op, average, *scales, process_set, False, True)
+    return cast(torch.Tensor, synchronize(handle))
 
 
 def grouped_allreduce_async(
@@ -138,14 +133,9 @@ def grouped_allreduce_(
     if tracing():
         scales = (prescale_factor, postscale_factor)
         return compiled.grouped_allreduce_(tensors, average, name, op, *scales, process_set)
-    return cast(
-        list[torch.Tensor],
-        synchronize(
-            grouped_allreduce_async_(
-                tensors, average, name, op, prescale_factor, postscale_factor, process_set
-            )
-        ),
-    )
+    scales = (prescale_factor, postscale_factor)
+    handle = _allreduce(tensors, True, name, op, average, *scales, process_set, True, True)
+    return cast(list[torch.Tensor], synchronize(handle))
 
 
 def sparse_allreduce_async(
@@ -235,7 +225,8 @@ def broadcast_(
     """Broadcast into ``tensor`` in place and return it."""
     if tracing():
         return compiled.broadcast_(tensor, root_rank, name, process_set)
-    return cast(torch.Tensor, synchronize(broadcast_async_(tensor, root_rank, name, process_set)))
+    handle = collectives.broadcast_async(tensor, root_rank, name, process_set, True, True)
+    return cast(torch.Tensor, synchronize(handle))
 
 
 # ---------------------------------------------------------------- alltoall

@@ -124,7 +124,7 @@ def _differentiable_allreduce(
 
     def reduce(tensors: Sequence[torch.Tensor], name: str | None) -> list[torch.Tensor]:
         handle = _allreduce(
-            tensors, False, name, op, average, prescale, postscale, process_set, grouped
+            tensors, False, name, op, average, prescale, postscale, process_set, grouped, True
         )
         return _results(handle, grouped)
 
@@ -279,7 +279,7 @@ def broadcast(
         return _compiled.broadcast(tensor, root_rank, name, process_set)
 
     def send(ctx: Any, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        handle = collectives.broadcast_async(inputs[0], root_rank, name, process_set, False)
+        handle = collectives.broadcast_async(inputs[0], root_rank, name, process_set, False, True)
         return [_synchronize(handle)]
 
     def gather_to_root(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -169,7 +169,9 @@ def _allreduce_worker(cases: list[Case]) -> dict[str, Any]:
 def job(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     # The MPI variants reduce every case with MPI's (and hora's half-float) reductions.
     np, carry, mpi = request.param
-    env = None if carry else {"HORA_CARRY_THRESHOLD": "0"}
+    # Carrying is the engine's: the carried variants keep synchronous calls off the fast path
+    # (which the collective variants take).
+    env = {"HORA_FAST_PATH": "0"} if carry else {"HORA_CARRY_THRESHOLD": "0"}
     ranks = run_job(_allreduce_worker, np, MATRIX + SCALED, env=env, mpi=mpi)
     carried = {observed["carried"] for observed in ranks}
     assert len(carried) == 1, f"ranks counted different carried allreduces: {carried}"

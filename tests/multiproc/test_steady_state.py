@@ -16,6 +16,10 @@ import pytest
 
 from .jobs import run_failing_job, run_job
 
+# Workers whose synchronous calls are part of the schedule under test: on the fast path they
+# would not reach the engine at all.
+ENGINE_ONLY = {"HORA_FAST_PATH": "0"}
+
 # Sizes chosen so that one period is cut into several batches (the first closes past 1 MiB).
 SIZES = (1000, 300_000, 10, 200_000, 50, 400_000)
 STEPS = 14
@@ -285,7 +289,9 @@ def test_a_rank_submitting_in_another_order_stays_in_the_steady_state() -> None:
 def test_a_schedule_starting_mid_step_accepts_the_next_steps_tensors_early(np: int) -> None:
     # The schedule starts at the second half of a step; rank 0 submitting a whole step in
     # reverse hands in that half before the first: the tensors wait for their batch.
-    _assert_stayed_in_the_steady_state(run_job(_steady_worker, np, "rotated", STEPS))
+    _assert_stayed_in_the_steady_state(
+        run_job(_steady_worker, np, "rotated", STEPS, env=ENGINE_ONLY)
+    )
 
 
 @pytest.mark.timeout(120)
@@ -294,7 +300,7 @@ def test_a_user_waiting_inside_a_batch_teaches_the_schedule_where_to_cut(np: int
     # Each step waits on a small allreduce before submitting the gradients. The first schedule
     # fuses it with the first gradients; the wait makes every rank leave the steady state once
     # and cut the batch there the next time.
-    for result in run_job(_steady_worker, np, "metric_first", STEPS + 6):
+    for result in run_job(_steady_worker, np, "metric_first", STEPS + 6, env=ENGINE_ONLY):
         assert "errors" not in result, result
         assert result["worst"] <= TOLERANCE
         stats = result["stats"]
@@ -351,7 +357,7 @@ def _lone_tensor_worker(steps: int) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_a_step_of_one_large_tensor_stays_negotiated() -> None:
     # Negotiated, a lone tensor is reduced in place; a schedule would copy it in and out.
-    for result in run_job(_lone_tensor_worker, 2, 8):
+    for result in run_job(_lone_tensor_worker, 2, 8, env=ENGINE_ONLY):
         assert result["worst"] <= TOLERANCE
         assert result["large"]["entered"] == 0, result
         assert result["small"]["entered"] == 1 and result["small"]["batches"] >= 3, result

@@ -34,9 +34,9 @@ def _requests(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     engine = basics.engine()
     enqueue = engine.enqueue
 
-    def recording(entries: list[Any]) -> None:
+    def recording(entries: list[Any], posted: bool = False) -> None:
         seen.extend(entry.request for entry in entries)
-        enqueue(entries)
+        enqueue(entries, posted)
 
     monkeypatch.setattr(engine, "enqueue", recording)
     return seen
@@ -197,6 +197,9 @@ def test_unnamed_calls_are_numbered_per_process_set_and_session() -> None:
     hvd.init()
     seen: list[Any] = []
     real_enqueue = basics.engine().enqueue
-    basics.engine().enqueue = lambda entries: (seen.extend(entries), real_enqueue(entries))  # type: ignore[method-assign]
+    basics.engine().enqueue = lambda entries, posted=False: (  # type: ignore[method-assign]
+        seen.extend(entries),
+        real_enqueue(entries, posted),
+    )
     hvd.allreduce(torch.ones(1))
     assert seen[0].request.name == "allreduce.noname.1"

@@ -15,6 +15,7 @@ from hora.common.job.store_keys import GenerationKeys
 from hora.common.job.topology import Topology
 from hora.common.process_sets import ProcessSetTable
 from hora.common.transport import (
+    CallerLane,
     Communicator,
     CommunicatorFactory,
     DeviceCommunicatorFactory,
@@ -68,6 +69,7 @@ class Communicators:
         self.control = self._connect("control", 0, rank, size)
         try:
             self._by_set[0] = self._connect("ps0", 0, rank, size)
+            self._name_lane(0, tuple(range(size)))
         except BaseException:
             # No engine will own the control communicator: release it (its shared memory, its
             # connections) now, not whenever the collector gets to it.
@@ -91,6 +93,22 @@ class Communicators:
         """The set's own communicator (CPU buffers)."""
         return self._by_set[set_id]
 
+    def lane(self, set_id: int) -> CallerLane | None:
+        """The set's lane, for calls its callers run themselves (``None``: the set has none,
+        or this rank is not a member)."""
+        lane: CallerLane | None = getattr(self._by_set.get(set_id), "lane", None)
+        return lane
+
+    def lanes(self) -> list[CallerLane]:
+        """The lanes of every set this rank is a member of."""
+        found = [getattr(c, "lane", None) for c in list(self._by_set.values())]
+        return [lane for lane in found if lane is not None]
+
+    def _name_lane(self, set_id: int, ranks: tuple[int, ...]) -> None:
+        lane = self.lane(set_id)
+        if lane is not None:
+            lane.ranks = ranks
+
     def register(self, set_id: int, ranks: tuple[int, ...]) -> None:
         """Add a process set to the table and, where this rank is a member, connect its
         communicator (every member registers the same sets in the same order)."""
@@ -99,6 +117,7 @@ class Communicators:
             self._by_set[set_id] = self._connect(
                 f"ps{set_id}", set_id, ranks.index(self._rank), len(ranks)
             )
+            self._name_lane(set_id, ranks)
 
     def remove(self, set_id: int) -> None:
         """Remove a process set from the table and close its communicators."""

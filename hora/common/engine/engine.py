@@ -41,6 +41,7 @@ from hora.common.job.store_keys import CAUSE, GenerationKeys
 from hora.common.job.topology import Topology
 from hora.common.process_sets import ProcessSetTable
 from hora.common.transport import (
+    CallerLane,
     CommunicatorFactory,
     DeviceCommunicatorFactory,
     TransportError,
@@ -278,13 +279,34 @@ class Engine:
         self.handles_made = number
         return Handle(number, count, kind, grouped, self.intake, self._opening)
 
-    def enqueue(self, entries: list[Entry]) -> None:
+    def lane(self, set_id: int) -> CallerLane | None:
+        """The lane of a process set whose members all share this host: the path of the calls
+        its callers run on their own threads (:mod:`hora.common.ops.fast_path`)."""
+        return self._communicators.lane(set_id)
+
+    def lanes(self) -> list[CallerLane]:
+        """The lanes of every set this rank is a member of."""
+        return self._communicators.lanes()
+
+    def caller_failed(self, error: str) -> str:
+        """A collective a caller ran on its own thread failed (a lost peer, a timeout): the job
+        fails as when one of the engine's collectives fails; returns the message."""
+        return self._transport_failed(error)
+
+    def enqueue(self, entries: list[Entry], posted: bool = False) -> None:
         """Queue entries atomically (a grouped call's entries reach negotiation together).
+        The call takes its number on its set's lane first, unless it was ``posted`` there
+        already (:mod:`hora.common.ops.fast_path`).
 
         Raises:
             HoraValueError: a name is already in flight on this rank in its process set.
             HoraInternalError: the engine has stopped.
         """
+        if not posted and entries:
+            lane = self._communicators.lane(entries[0].request.process_set_id)
+            if lane is not None:
+                with lane.lock:
+                    lane.post()
         self.intake.submit(entries, self.tracer.now(), self.replay.admit)
 
     def register_process_set(self, ranks: tuple[int, ...], remove: bool = False) -> Handle:

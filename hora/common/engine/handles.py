@@ -128,6 +128,10 @@ class Handle:
             raise HoraInternalError(self.error)
         return self.results
 
+    def deliver(self, index: int, value: object) -> None:
+        """One tensor's result, delivered by the caller's own thread (the fast path)."""
+        self._set(index, value)
+
     def _set(self, index: int, value: object) -> None:
         self.results[index] = value
         self._remaining -= 1

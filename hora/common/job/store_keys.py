@@ -146,6 +146,10 @@ class ScopeKeys:
         """A member's rank in the job's MPI communicator."""
         return f"{self.scope}/mpi-member/{member}"
 
+    def lane(self) -> str:
+        """The scope of the set's lane, the segment of its fast path."""
+        return f"{self.scope}/lane"
+
     def cross(self, local_rank: int) -> str:
         """The scope of the Gloo group across hosts of the members with this local rank."""
         return f"{self.scope}/cross{local_rank}"

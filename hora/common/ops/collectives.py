@@ -65,9 +65,11 @@ def allreduce_async(
     postscale_factor: float,
     process_set: ProcessSet,
     grouped: bool,
+    synchronous: bool = False,
 ) -> int:
     """Start reducing ``tensors`` (one call, or a grouped call of several), in place or into
-    new tensors."""
+    new tensors. A ``synchronous`` caller waits for the result at once: the call may run on
+    its thread (:mod:`hora.common.ops.fast_path`)."""
     reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
     tensors = list(tensors)
     outputs = tensors if in_place else [torch.empty_like(t) for t in tensors]
@@ -82,6 +84,7 @@ def allreduce_async(
             prescale_factor,
             postscale_factor,
             grouped,
+            synchronous,
         )
     )
 
@@ -128,12 +131,20 @@ def broadcast_async(
     name: str | None,
     process_set: ProcessSet,
     in_place: bool,
+    synchronous: bool = False,
 ) -> int:
-    """Start copying ``root_rank``'s tensor to every rank, into ``tensor`` or a new one."""
+    """Start copying ``root_rank``'s tensor to every rank, into ``tensor`` or a new one (see
+    :func:`allreduce_async` for ``synchronous``)."""
     output = tensor if in_place else torch.empty_like(tensor)
     return submission.register(
         submission.submit(
-            RequestType.BROADCAST, [tensor], [output], name, process_set, root_rank=int(root_rank)
+            RequestType.BROADCAST,
+            [tensor],
+            [output],
+            name,
+            process_set,
+            synchronous=synchronous,
+            root_rank=int(root_rank),
         )
     )
 

@@ -20,6 +20,7 @@ import torch
 
 from hora.common import basics
 from hora.common.engine import Engine, Entry, Handle, adasum, dtype_name
+from hora.common.ops import fast_path
 from hora.common.process_sets import ProcessSet
 from hora.common.runtime import GROUPED_CALLS_KEPT, GroupedEntry, HandleEntry, runtime, session
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
@@ -251,9 +252,12 @@ def submit(
     name: str | None,
     process_set: ProcessSet,
     grouped: bool = False,
+    synchronous: bool = False,
     **fields: Unpack[RequestFields],
 ) -> Handle:
-    """Build one entry per tensor and hand them to the engine atomically.
+    """Build one entry per tensor and hand them to the engine atomically; or, for a
+    ``synchronous`` call on a set with a lane, run it on this thread if every member makes the
+    same call (:mod:`hora.common.ops.fast_path`; the handle is then done).
 
     The call is named ``<kind>.<name>`` (``grouped_<kind>.<name>_<i>of<n>`` for each tensor of
     a grouped call), or ``<kind>.noname.<n>`` without a name, for the process set's n-th unnamed
@@ -264,12 +268,20 @@ def submit(
     set_id = check_process_set(process_set, kind)
     current = session()
     engine = current.engine
-    handle = engine.handle(len(tensors), kind, grouped)
     prefix = f"grouped_{_PREFIXES[kind]}" if grouped else _PREFIXES[kind]
     if name is None:
         base = f"{prefix}.noname.{current.unnamed_call_number(set_id)}"
     else:
         base = f"{prefix}.{name}"
+    lane = engine.lane(set_id) if synchronous else None
+    if lane is not None:
+        for tensor in tensors:
+            _check_tensor(tensor, kind)
+        members = engine.process_sets.members(set_id)
+        done = fast_path.run(engine, lane, kind, base, tensors, outputs, grouped, fields, members)
+        if done is not None:
+            return done
+    handle = engine.handle(len(tensors), kind, grouped)
     if grouped and name is not None:
         requests = _grouped_requests(current.grouped_calls, kind, base, tensors, set_id, fields)
     else:
@@ -281,7 +293,7 @@ def submit(
         Entry(request, tensor, output, handle, index)
         for index, (request, tensor, output) in enumerate(zip(requests, tensors, outputs))
     ]
-    engine.enqueue(entries)
+    engine.enqueue(entries, posted=lane is not None)
     return handle
 
 
@@ -355,6 +367,7 @@ def submit_reduction(
     prescale_factor: float,
     postscale_factor: float,
     grouped: bool,
+    synchronous: bool = False,
 ) -> Handle:
     """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
     check_reduction(kind, tensors, reduce_op, process_set)
@@ -365,6 +378,7 @@ def submit_reduction(
         name,
         process_set,
         grouped=grouped,
+        synchronous=synchronous,
         reduce_op=reduce_op,
         prescale=float(prescale_factor),
         postscale=float(postscale_factor),
@@ -505,24 +519,39 @@ def wait(handle: int) -> Any:
 # ---------------------------------------------------------------- calls without tensors
 
 
-def _signal(kind: RequestType, name: str, set_id: int) -> Handle:
+def _signal(kind: RequestType, name: str, set_id: int, posted: bool = False) -> Handle:
     """Queue a call that carries no tensor (join, barrier)."""
     engine = basics.engine()
     handle = engine.handle(1, kind)
     request = Request(name=name, kind=kind, dtype="uint8", process_set_id=set_id)
-    engine.enqueue([Entry(request, None, None, handle)])
+    engine.enqueue([Entry(request, None, None, handle)], posted=posted)
     return handle
 
 
 def join() -> int:
-    """Join; returns the global rank that joined last (see ``hvd.join``)."""
-    return int(_signal(RequestType.JOIN, "join.noname", 0).wait()[0])
+    """Join; returns the global rank that joined last (see ``hvd.join``). On sets with a lane
+    the others' calls go to the engine meanwhile, where a joined rank takes part; once every
+    rank joined, the lanes' numbers restart together (:mod:`hora.common.ops.fast_path`)."""
+    lanes = basics.engine().lanes()
+    fast_path.join(lanes)
+    try:
+        return int(_signal(RequestType.JOIN, "join.noname", 0).wait()[0])
+    finally:
+        fast_path.rejoin(lanes)
 
 
 def barrier(process_set: ProcessSet) -> None:
     """Block until every rank of ``process_set`` has called ``barrier``."""
     set_id = check_process_set(process_set, RequestType.BARRIER)
-    _signal(RequestType.BARRIER, f"barrier.noname.{set_id}", set_id).wait()
+    name = f"barrier.noname.{set_id}"
+    engine = basics.engine()
+    lane = engine.lane(set_id)
+    if lane is not None:
+        members = engine.process_sets.members(set_id)
+        kind = RequestType.BARRIER
+        if fast_path.run(engine, lane, kind, name, [], [], False, {}, members) is not None:
+            return
+    _signal(RequestType.BARRIER, name, set_id, posted=lane is not None).wait()
 
 
 # ---------------------------------------------------------------- CUDA streams

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -52,6 +53,21 @@ FINISHED: Pending = _Finished()
 
 # How many rows of an alltoall's buffer go to (or come from) each member, in member order.
 Sizes = Sequence[int]
+
+
+class CallerLane(Protocol):
+    """What the engine knows of a process set's lane, the path of the calls its callers run
+    themselves (``hora.common.transport.shm_lane.Lane``): every call on the set takes a
+    number there, under its lock."""
+
+    lock: threading.Lock
+    ranks: Sequence[int]
+
+    def post(self) -> None: ...
+
+    def begin_join(self) -> None: ...
+
+    def new_epoch(self) -> None: ...
 
 
 class Communicator(Protocol):

@@ -24,10 +24,11 @@ from collections.abc import Callable
 from hora.common.job.store import StoreClient
 from hora.common.job.store_keys import ScopeKeys
 from hora.common.job.topology import Topology
-from hora.common.transport import Communicator
+from hora.common.transport import Communicator, shm_lane
 from hora.common.transport.hierarchical import HierarchicalCommunicator
 from hora.common.transport.local_groups import Grouping, group_members, map_segment
 from hora.common.transport.shm import ShmCommunicator
+from hora.common.transport.shm_lane import Lane
 from hora.common.transport.shm_segment import PAGE
 from hora.common.vocabulary import settings_table as table
 from hora.common.vocabulary.config import Settings
@@ -79,7 +80,8 @@ class PathChooser:
         # Buffers kept for repeated collectives (see ShmCommunicator.arena_buffer): for the
         # data of a set whose members all share this host.
         arena = 0 if several_hosts else self._arena_bytes
-        if scope.endswith("/control") or scope == "control":
+        control = scope.endswith("/control") or scope == "control"
+        if control:
             slot, arena = min(slot, CONTROL_SLOT_BYTES), 0
         segment, why = map_segment(self._store, scope, grouping, rank, slot, arena, timeout_s)
         if segment is None:
@@ -88,6 +90,8 @@ class PathChooser:
             return self._gloo(scope, rank, size)
         local = ShmCommunicator(segment, timeout_s)
         if not several_hosts:
+            if not control and self._settings.fast_path:
+                local.lane = self._lane(scope, grouping, rank)
             return local
         flat = self._gloo(scope, rank, size)
         group = grouping.group_of[rank]
@@ -95,6 +99,24 @@ class PathChooser:
         peers = [members[local_rank] for members in grouping.groups]
         cross = self._gloo(ScopeKeys(scope).cross(local_rank), peers.index(rank), len(peers))
         return HierarchicalCommunicator(flat, local, cross)
+
+    def _lane(self, scope: str, grouping: Grouping, rank: int) -> Lane | None:
+        """The set's lane (hora.common.ops.fast_path), on a segment of its own; ``None`` when
+        it cannot be mapped (every member then goes without)."""
+        timeout_s = self._settings.gloo_timeout_s
+        why = shm_lane.supported()
+        if why is not None:
+            self._tell(rank, f"the shared-memory fast path is off ({why})")
+            return None
+        segment, why = map_segment(
+            self._store, ScopeKeys(scope).lane(), grouping, rank, shm_lane.SLOT_BYTES, 0, timeout_s
+        )
+        if segment is None:
+            if why:
+                self._tell(rank, f"the shared-memory fast path is off ({why})")
+            return None
+        stall_s = self._settings.stall_check_time_s if self._settings.stall_check_enabled else 0.0
+        return Lane(segment, timeout_s, stall_s)
 
     def _hierarchical(self, rank: int, grouping: Grouping) -> bool:
         """Whether a set spread over several hosts reduces hierarchically: by default and when

@@ -34,6 +34,7 @@ from hora.common.transport import FINISHED, Pending, Sizes, TransportError
 from hora.common.transport.shm_arena import ArenaAllreduce
 from hora.common.transport.shm_barriers import Barriers
 from hora.common.transport.shm_halves import Halves
+from hora.common.transport.shm_lane import Lane
 from hora.common.transport.shm_layout import Layout
 from hora.common.transport.shm_segment import (
     Aborted,
@@ -118,6 +119,8 @@ class ShmCommunicator:
         self._counting = threading.Lock()
         self._worker: threading.Thread | None = None
         self._closed = False
+        # The calling thread's path for this set (hora.common.ops.fast_path), when it has one.
+        self.lane: Lane | None = None
         self._started = 0  # allreduces started through allreduce_async
 
     # ------------------------------------------------------------- running operations
@@ -278,7 +281,11 @@ class ShmCommunicator:
             self._worker.join(timeout=5.0)
         self._layout.close()
         self._segment.close()
+        if self.lane is not None:
+            self.lane.close()
 
     def abort(self) -> None:
         self._segment.aborted = True
         self._segment.wake_all()
+        if self.lane is not None:
+            self.lane.abort()

@@ -177,6 +177,7 @@ class Segment:
         control = (ctypes.c_int32 * (_control_bytes(size) // 4)).from_buffer(self._map)
         self._words = control
         first_slot = _control_bytes(size)
+        self._first_slot = first_slot
         self.slots = [
             view[first_slot + j * slot_bytes : first_slot + (j + 1) * slot_bytes]
             for j in range(size)
@@ -326,6 +327,48 @@ class Segment:
     def arrival(self, member: int) -> int:
         return int(self._words[_member_word(member, 0)])
 
+    def arrive_quietly(self, value: int) -> None:
+        """Publish this member's arrival counter; wake its waiters only if a member sleeps
+        (:meth:`wait_arrivals` with ``flagged``), so that an arrival costs no system call
+        while the others spin."""
+        words = self._words
+        word = _member_word(self.rank, 0)
+        words[word] = value
+        for member in range(self.size):
+            if member != self.rank and words[_member_word(member, _SLEEPING)]:
+                self._futex.wake(self._base + word * 4)
+                return
+
+    def ring(self, value: int) -> None:
+        """Publish this member's *bell* counter (it posted on a lane: :mod:`.shm_lane`); wake
+        its waiters only if a member sleeps."""
+        words = self._words
+        word = _member_word(self.rank, _BELL)
+        words[word] = value
+        for member in range(self.size):
+            if member != self.rank and words[_member_word(member, _SLEEPING)]:
+                self._futex.wake(self._base + word * 4)
+                return
+
+    def bell(self, member: int) -> int:
+        return int(self._words[_member_word(member, _BELL)])
+
+    def wait_bell(self, member: int, target: int, until: float) -> None:
+        """Return when ``member``'s bell reaches ``target`` or at ``until`` (monotonic),
+        whichever comes first.
+
+        Raises:
+            PeerLost, Aborted: see :meth:`_wait_word`.
+        """
+        try:
+            self._wait_word(_member_word(member, _BELL), target, until, member, True)
+        except WaitTimeout:
+            pass
+
+    def address(self, member: int) -> int:
+        """Where ``member``'s slot starts in this process's memory."""
+        return self._base + self._first_slot + member * self.slot_bytes
+
     def arrive(self, value: int) -> None:
         """Publish this member's arrival counter and wake whoever waits on it."""
         word = _member_word(self.rank, 0)
@@ -338,20 +381,26 @@ class Segment:
         self._words[word] = value
         self._futex.wake(self._base + word * 4)
 
-    def wait_arrivals(self, members: Sequence[int], target: int, deadline: float) -> None:
+    def wait_arrivals(
+        self, members: Sequence[int], target: int, deadline: float, flagged: bool = False
+    ) -> None:
         """Return when every member of ``members`` has arrival counter ``target`` or later.
+        With ``flagged``, this member's line says while it sleeps, for members that arrive
+        with :meth:`arrive_quietly`.
 
         Raises:
             PeerLost, Aborted, WaitTimeout: see :meth:`_wait_word`.
         """
         for member in members:
-            self._wait_word(_member_word(member, 0), target, deadline, member)
+            self._wait_word(_member_word(member, 0), target, deadline, member, flagged)
 
     def wait_pair(self, peer: int, target: int, which: int, deadline: float) -> None:
         """Return when ``peer``'s pair counter ``which`` for this member reaches ``target``."""
         self._wait_word(_pair_word(self.size, peer, self.rank, which), target, deadline, peer)
 
-    def _wait_word(self, word: int, target: int, deadline: float, member: int) -> None:
+    def _wait_word(
+        self, word: int, target: int, deadline: float, member: int, flagged: bool = False
+    ) -> None:
         """Spin briefly, then sleep on the word, until it reaches ``target``.
 
         Raises:
@@ -373,7 +422,14 @@ class Segment:
             now = time.monotonic()
             if now >= deadline:
                 raise WaitTimeout(f"member {member}")
-            self._futex.wait(address, value, min(SLICE_S, deadline - now))
+            if flagged:
+                words[_member_word(self.rank, _SLEEPING)] = 1
+                try:
+                    self._futex.wait(address, value, min(SLICE_S, deadline - now))
+                finally:
+                    words[_member_word(self.rank, _SLEEPING)] = 0
+            else:
+                self._futex.wait(address, value, min(SLICE_S, deadline - now))
             if not reached(words[word], target):
                 self._check_peers()
 
@@ -391,10 +447,16 @@ class Segment:
                 raise PeerLost(f"member {member} (pid {self._words[_member_word(member, 1)]})")
 
 
+# The word of a member's line that is 1 while it sleeps on a peer's counter.
+_SLEEPING = 5
+# The word of a member's line that counts its posts on a lane.
+_BELL = 6
+
+
 def _member_word(member: int, index: int) -> int:
     """Word ``index`` of ``member``'s line (0: arrival counter, 1: pid, 2 and 3: the offset and
     size of its published arena buffer, in :data:`_BLOCK_UNIT`; 4: the allreduces it has
-    started)."""
+    started; 5: whether it sleeps on a peer's counter; 6: its bell, posts on a lane)."""
     return (1 + member) * (LINE // 4) + index
 
 

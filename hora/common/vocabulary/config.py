@@ -141,6 +141,8 @@ class Settings:
         shared_memory: whether ranks of one host exchange through shared memory (Gloo path).
         shm_slot_bytes: shared memory per rank and process set.
         shm_arena_bytes: address space per rank and process set for repeated buffers.
+        fast_path: whether synchronous calls of a set on one host may run on the caller's
+            thread (hora.common.ops.fast_path).
         hierarchical_allreduce: ``True``/``False`` chooses for sets spanning hosts; ``None``:
             hora's choice.
         hierarchical_allgather: Horovod's setting, named when set (hora has no such allgather).
@@ -172,6 +174,7 @@ class Settings:
     shared_memory: bool = _setting(table.SHARED_MEMORY)
     shm_slot_bytes: int = _setting(table.SHM_SLOT_BYTES)
     shm_arena_bytes: int = _setting(table.SHM_ARENA_BYTES)
+    fast_path: bool = _setting(table.FAST_PATH)
     hierarchical_allreduce: bool | None = _setting(table.HIERARCHICAL_ALLREDUCE)
     hierarchical_allgather: bool | None = _setting(table.HIERARCHICAL_ALLGATHER)
     gpu_operations: str = _setting(table.GPU_OPERATIONS)

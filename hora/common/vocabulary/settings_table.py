@@ -412,6 +412,19 @@ SHARED_MEMORY = Variable(
     f"{_SAME_ON_EVERY_RANK}",
     horovod=False, agreed=True,
 )  # fmt: skip
+FAST_PATH = Variable(
+    "FAST_PATH",
+    BOOLEAN,
+    True,
+    "`1` (the default): a synchronous allreduce (grouped or not), broadcast or barrier of CPU "
+    "tensors on a process set whose ranks all share one host runs on the calling thread, "
+    "straight on shared memory, when every rank of the set makes the same call at the same "
+    "place in its sequence of calls on the set; any other call, or a call some rank makes "
+    "differently, goes through the engine as before. `0`: every call goes through the engine. "
+    f"{_SAME_ON_EVERY_RANK}",
+    horovod=False,
+    agreed=True,
+)
 SHM_SLOT_BYTES = Variable(
     "SHM_SLOT_BYTES", INTEGER, 16 * 1024 * 1024,
     "Shared memory each rank maps per process set, in bytes (negotiation takes 1 MiB more); "
@@ -660,6 +673,7 @@ VARIABLES: tuple[Variable[object], ...] = (
     LOG_HIDE_TIME,
     CPU_OPERATIONS,
     SHARED_MEMORY,
+    FAST_PATH,
     SHM_SLOT_BYTES,
     SHM_ARENA_BYTES,
     HIERARCHICAL_ALLREDUCE,

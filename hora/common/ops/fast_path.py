@@ -1,0 +1,176 @@
+"""Collectives run on the caller's thread, straight on shared memory: the fast path.
+
+When every member of a process set shares this host, its communicator has a
+:class:`~hora.common.transport.shm_lane.Lane`, and every call on the set takes a number there
+(the engine's :meth:`~hora.common.engine.Engine.enqueue` takes one for the calls it is handed
+directly). A synchronous allreduce (grouped or not) or broadcast of CPU tensors, or a barrier,
+also signs its number with its signature (its kind, name, each tensor's dtype, shape and
+device, its reduction, scale factors and root). When every member signed the same signature
+for that number, each member runs the call on its own thread: no queue, no engine thread, no
+negotiation round, and the result is in before the call returns (its handle is done).
+Otherwise, one decision for all members sends every member's call to the engine, whose
+negotiation runs it, or finds the mismatch and reports it as it always does.
+
+``hvd.join()`` tells the lanes: while a member has joined, the others' calls go to the engine,
+where a joined rank takes part; once every member's ``join`` returned, the numbers restart
+together. ``HORA_FAST_PATH=0`` gives every set no lane.
+
+This module knows calls, tensors and the lane; the engine only through the handles it makes and
+the failure it reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from hora.common.engine import Engine, Handle
+from hora.common.engine.buffers import postscale
+from hora.common.transport import CallerLane, TransportError
+from hora.common.transport.shm_lane import Lane
+from hora.common.vocabulary.errors import HoraInternalError
+from hora.common.vocabulary.message import ReduceOp, RequestType
+
+# Reductions the lane runs (Average is a sum, divided afterwards; Adasum is the engine's).
+_REDUCTIONS = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+_KINDS = (RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.BARRIER)
+
+
+def header(
+    kind: RequestType, name: str, tensors: Sequence[torch.Tensor], fields: Mapping[str, object]
+) -> bytes | None:
+    """A call's signature: a digest of everything the members must agree on (its kind, name,
+    each tensor's dtype, shape and device, and the fields of its request); ``None`` when the
+    lane cannot run it."""
+    runnable = kind in _KINDS and all(t.device.type == "cpu" for t in tensors)
+    if runnable and kind == RequestType.ALLREDUCE:
+        reduce_op = fields.get("reduce_op")
+        runnable = reduce_op in _REDUCTIONS and len({t.dtype for t in tensors}) <= 1
+    text = f"{kind.value}|{name}|" + ";".join(
+        f"{t.dtype}{tuple(t.shape)}{t.device}" for t in tensors
+    )
+    text += f"|{fields!r}"
+    if not runnable:
+        return None
+    return hashlib.blake2b(text.encode(), digest_size=24).digest()
+
+
+def run(
+    engine: Engine,
+    lane: CallerLane,
+    kind: RequestType,
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    grouped: bool,
+    fields: Mapping[str, object],
+    members: Sequence[int],
+) -> Handle | None:
+    """Take the call's number on the lane and run it there if every member signed the same
+    call; its handle (done), or ``None`` when it goes to the engine (its number taken: the
+    caller queues it with ``posted=True``).
+
+    Raises:
+        HoraInternalError: a member was lost, or the wait timed out (the engine fails the
+            job as it would for a failed collective).
+    """
+    signature = _signature(engine, kind, name, tensors, fields, members)
+    with lane.lock:
+        if signature is None or not isinstance(lane, Lane):
+            lane.post()
+            return None
+        try:
+            if kind == RequestType.BARRIER:
+                ran = lane.sign(signature)
+                if ran:
+                    lane.finish()
+            elif kind == RequestType.BROADCAST:
+                root_rank = fields["root_rank"]
+                assert isinstance(root_rank, int)
+                root = members.index(root_rank)
+                flat = tensors[0].view(-1)
+                target = outputs[0] if outputs[0] is not None else tensors[0]
+                ran = lane.sign(signature, flat if lane.rank == root else None)
+                if ran:
+                    lane.broadcast(flat, target.view(-1), root)
+            else:
+                ran = _allreduce(lane, signature, tensors, outputs, fields)
+        except TransportError as exc:
+            raise HoraInternalError(engine.caller_failed(str(exc))) from None
+    if not ran:
+        return None
+    handle = engine.handle(max(len(tensors), 1), kind, grouped)
+    if tensors:
+        for index, (tensor, output) in enumerate(zip(tensors, outputs)):
+            handle.deliver(index, tensor if output is None else output)
+    else:
+        handle.deliver(0, None)
+    return handle
+
+
+def _signature(
+    engine: Engine,
+    kind: RequestType,
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    fields: Mapping[str, object],
+    members: Sequence[int],
+) -> bytes | None:
+    """The call's :func:`header`, or ``None`` when it goes to the engine in any case."""
+    if kind == RequestType.BROADCAST and fields.get("root_rank") not in members:
+        return None  # the engine's checks name the error
+    intake = engine.intake
+    if not intake.running or intake.shutdown_reason is not None or intake.failure is not None:
+        return None  # an ended job's calls raise why it ended
+    if engine.timeline is not None:
+        return None  # a timeline records the engine's phases of every call
+    return header(kind, name, tensors, fields)
+
+
+def join(lanes: Sequence[CallerLane]) -> None:
+    """This member is about to join: the others' calls go to the engine meanwhile."""
+    for lane in lanes:
+        with lane.lock:
+            lane.begin_join()
+
+
+def rejoin(lanes: Sequence[CallerLane]) -> None:
+    """This member's ``join`` returned, so every member's did: numbers restart together."""
+    for lane in lanes:
+        with lane.lock:
+            lane.new_epoch()
+
+
+def _allreduce(
+    lane: Lane,
+    signature: bytes,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    fields: Mapping[str, object],
+) -> bool:
+    reduce_op, prescale, factor = (
+        fields.get(k, 1.0) for k in ("reduce_op", "prescale", "postscale")
+    )
+    assert isinstance(reduce_op, ReduceOp)
+    assert isinstance(prescale, float) and isinstance(factor, float)
+    if len(tensors) == 1:
+        flat = tensors[0].view(-1)
+        target = outputs[0]
+        out = flat if target is None else target.view(-1)
+    else:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        out = flat
+    if not lane.sign(signature, flat, prescale):
+        return False
+    op = ReduceOp.SUM if reduce_op == ReduceOp.AVERAGE else reduce_op
+    lane.allreduce(flat, out, op, prescale)
+    divisor = lane.size if reduce_op == ReduceOp.AVERAGE else 1
+    scaled = postscale(out, divisor, factor)
+    if scaled is not out:  # integers and halves are scaled through a wider copy
+        out.copy_(scaled)
+    if len(tensors) > 1:
+        for piece, tensor, target in zip(out.split([t.numel() for t in tensors]), tensors, outputs):
+            (tensor if target is None else target).view(-1).copy_(piece)
+    return True

@@ -1,0 +1,318 @@
+"""The fast path (synchronous calls run on the caller's thread, on shared memory) on real
+processes: the same bits as the engine's path (``HORA_FAST_PATH=0``), the same errors, no wait
+when ranks make a call synchronously on one and asynchronously on another or in different
+orders, and joins and new sessions that fall back and stay right.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hora.common.transport import shm_segment
+
+from .jobs import error_of, run_job
+
+FULL_PATH = {"HORA_FAST_PATH": "0"}
+STALL_ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+
+pytestmark = pytest.mark.skipif(
+    shm_segment.supported() is not None, reason=f"no shared-memory path: {shm_segment.supported()}"
+)
+
+
+def _inline_calls() -> int:
+    from hora.common import basics
+
+    lane = basics.engine().lane(0)
+    return int(getattr(lane, "inline_calls", 0))
+
+
+def _mixed_run(count: int, seed: int) -> dict[str, Any]:
+    """``count`` calls of mixed kinds, sizes, dtypes, reductions and names, the same sequence
+    on every rank (some asynchronous); a digest of every result."""
+    import hashlib
+    import random
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    plan = random.Random(seed)
+    data = torch.Generator().manual_seed(seed * 100 + rank)
+    digest = hashlib.sha256()
+    pending: list[int] = []
+    sizes = (1, 3, 257, 16384, 70_000, 300_001, 700_000)
+    dtypes = (torch.float32, torch.float64, torch.int32, torch.int64)
+    for index in range(count):
+        kind = plan.random()
+        numel = plan.choice(sizes) if plan.random() < 0.3 else plan.choice(sizes[:4])
+        dtype = plan.choice(dtypes)
+        name = plan.choice([None, "a", "b", f"n{index % 7}"])
+        tensor = (torch.rand(numel, generator=data) * 100 - 50).to(dtype)
+        if kind < 0.55:
+            ops = [hvd.Sum, hvd.Min, hvd.Max] + ([hvd.Average] if dtype.is_floating_point else [])
+            op = plan.choice(ops)
+            scales = (plan.choice([1.0, 0.5, 3.0]), plan.choice([1.0, 0.25]))
+            if not dtype.is_floating_point:
+                scales = (1.0, 1.0)
+            result = hvd.allreduce(tensor, name=name, op=op, prescale_factor=scales[0],
+                                   postscale_factor=scales[1])  # fmt: skip
+            digest.update(result.numpy().tobytes())
+        elif kind < 0.7:
+            tensors = [
+                tensor[: max(1, numel // (j + 1))].clone() for j in range(plan.randint(2, 5))
+            ]
+            for result in hvd.grouped_allreduce(tensors, name=name, op=hvd.Sum):
+                digest.update(result.numpy().tobytes())
+        elif kind < 0.8:
+            root = plan.randrange(size)
+            digest.update(hvd.broadcast(tensor, root_rank=root, name=name).numpy().tobytes())
+        elif kind < 0.85:
+            hvd.barrier()
+        elif kind < 0.95:
+            # The engine's path: a number on the lane, the result later.
+            pending.append(hvd.allreduce_async(tensor, name=f"async.{index}", op=hvd.Sum))
+            if len(pending) > 3 or plan.random() < 0.3:
+                digest.update(hvd.synchronize(pending.pop(0)).numpy().tobytes())
+        else:
+            digest.update(hvd.allgather(tensor[:5], name=name).numpy().tobytes())
+    for handle in pending:
+        digest.update(hvd.synchronize(handle).numpy().tobytes())
+    inline = _inline_calls()
+    hvd.shutdown()
+    return {"digest": digest.hexdigest(), "inline": inline}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_mixed_calls_give_the_full_paths_bits(np: int) -> None:
+    fast = run_job(_mixed_run, np, 600, np, timeout_s=200)
+    full = run_job(_mixed_run, np, 600, np, env=FULL_PATH, timeout_s=200)
+    assert [r["digest"] for r in fast] == [r["digest"] for r in full]
+    assert len({r["digest"] for r in fast}) <= np  # broadcasts/allreduces agree per rank
+    assert all(r["inline"] > 100 for r in fast), fast
+    assert all(r["inline"] == 0 for r in full), full
+
+
+@pytest.mark.timeout(600)
+def test_a_long_mixed_run_gives_the_full_paths_bits() -> None:
+    fast = run_job(_mixed_run, 2, 10_000, 7, timeout_s=500)
+    full = run_job(_mixed_run, 2, 10_000, 7, env=FULL_PATH, timeout_s=500)
+    assert [r["digest"] for r in fast] == [r["digest"] for r in full]
+    assert all(r["inline"] > 3000 for r in fast), fast
+
+
+def _mismatches() -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    out = {
+        "shape": error_of(lambda: hvd.allreduce(torch.ones(4 + rank), name="shape")),
+        "dtype": error_of(
+            lambda: hvd.allreduce(
+                torch.ones(4, dtype=torch.float32 if rank else torch.float64), name="dtype"
+            )  # fmt: skip
+        ),
+        "op": error_of(
+            lambda: hvd.allreduce(torch.ones(4), name="op", op=hvd.Sum if rank else hvd.Max)
+        ),
+        "broadcast root": error_of(
+            lambda: hvd.broadcast(torch.ones(4), root_rank=rank % 2, name="root")
+        ),
+    }
+    # Still in step afterwards.
+    out["after"] = str(hvd.allreduce(torch.ones(2), name="after", op=hvd.Sum).tolist())
+    out["inline"] = str(_inline_calls())
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_mismatches_raise_the_full_paths_errors(np: int) -> None:
+    fast = run_job(_mismatches, np)
+    full = run_job(_mismatches, np, env=FULL_PATH)
+    for rank in range(np):
+        for what in ("shape", "dtype", "op", "broadcast root"):
+            assert fast[rank][what], (rank, what)
+            assert fast[rank][what] == full[rank][what], (rank, what)
+        assert "rank 1" in fast[rank]["shape"]["message"]
+        assert fast[rank]["after"] == str([float(np)] * 2)
+    assert all(int(r["inline"]) >= 1 for r in fast)
+
+
+def _stalled_name() -> dict[str, Any]:
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    name = "y" if hvd.rank() == 1 else "x"
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2), name=name)
+    except hvd.HoraInternalError as exc:
+        return {"message": str(exc), "elapsed_s": time.monotonic() - start}
+    return {"message": None, "elapsed_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_mismatched_name_is_reported_by_the_stall_inspector(np: int) -> None:
+    for observed in run_job(_stalled_name, np, env=STALL_ENV, timeout_s=60):
+        assert observed["message"] is not None
+        assert "stalled for longer than 3 seconds" in observed["message"]
+        assert "1!: [allreduce.x]" in observed["message"]
+        assert observed["elapsed_s"] < 20
+
+
+def _sync_here_async_there() -> dict[str, Any]:
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out: dict[str, Any] = {}
+    start = time.monotonic()
+    for step in range(20):
+        x = torch.full((1000,), float(rank + step))
+        if (rank + step) % 2:
+            out[f"mixed.{step}"] = hvd.allreduce(x, name=f"mixed.{step}", op=hvd.Sum)
+        else:
+            handle = hvd.allreduce_async(x, name=f"mixed.{step}", op=hvd.Sum)
+            out[f"mixed.{step}"] = hvd.synchronize(handle)
+    # Different orders: rank 0 starts y first, the others wait for x first.
+    x, y = torch.ones(3) * (rank + 1), torch.ones(5) * (rank + 2)
+    if rank == 0:
+        handle = hvd.allreduce_async(y, name="y", op=hvd.Sum)
+        out["x"] = hvd.allreduce(x, name="x", op=hvd.Sum)
+    else:
+        out["x"] = hvd.allreduce(x, name="x", op=hvd.Sum)
+        handle = hvd.allreduce_async(y, name="y", op=hvd.Sum)
+    out["y"] = hvd.synchronize(handle)
+    out["elapsed_s"] = time.monotonic() - start
+    out["size"] = size
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_sync_on_one_rank_and_async_on_another_completes(np: int) -> None:
+    import torch
+
+    for out in run_job(_sync_here_async_there, np, timeout_s=60):
+        for step in range(20):
+            expected = sum(float(r + step) for r in range(np))
+            assert torch.equal(out[f"mixed.{step}"], torch.full((1000,), expected))
+        assert torch.equal(out["x"], torch.ones(3) * sum(r + 1 for r in range(np)))
+        assert torch.equal(out["y"], torch.ones(5) * sum(r + 2 for r in range(np)))
+        assert out["elapsed_s"] < 30
+
+
+def _join_and_go_on() -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    out: dict[str, Any] = {}
+    steps = 3 if rank == 0 else 8
+    for step in range(steps):
+        out[f"before.{step}"] = hvd.allreduce(torch.ones(4) * (rank + 1), name="g", op=hvd.Sum)
+        if step < 3:
+            hvd.barrier()
+    out["last"] = hvd.join()
+    inline_at_join = _inline_calls()
+    for step in range(10):
+        out[f"after.{step}"] = hvd.allreduce(
+            torch.full((300_000,), float(rank + step)), name=f"after.{step % 3}", op=hvd.Sum
+        )
+    out["inline_after"] = _inline_calls() - inline_at_join
+    # A second session: new lanes, numbers from the start.
+    hvd.shutdown()
+    hvd.init()
+    out["session2"] = hvd.allreduce(torch.ones(2) * rank, name="s2", op=hvd.Sum)
+    out["inline_session2"] = _inline_calls()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_join_falls_back_and_the_lane_comes_back_after_it(np: int) -> None:
+    import torch
+
+    for rank, out in enumerate(run_job(_join_and_go_on, np, timeout_s=120)):
+        for step in range(3 if rank == 0 else 8):
+            everyone = range(np) if step < 3 else range(1, np)
+            expected = torch.ones(4) * sum(r + 1 for r in everyone)
+            assert torch.equal(out[f"before.{step}"], expected), (rank, step)
+        for step in range(10):
+            expected = torch.full((300_000,), float(sum(r + step for r in range(np))))
+            assert torch.equal(out[f"after.{step}"], expected), (rank, step)
+        assert out["inline_after"] >= 5, out["inline_after"]
+        assert torch.equal(out["session2"], torch.ones(2) * sum(range(np)))
+        assert out["inline_session2"] == 1
+
+
+def _stopped_member() -> dict[str, Any]:
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("hora").addHandler(Keep(logging.WARNING))
+    pids = hvd.allgather_object(os.getpid())
+    hvd.allreduce(torch.ones(2), name="warm")
+    if rank == 0:
+        # Rank 1 stops itself; rank 0 resumes it after 4 s, from another thread.
+        threading.Timer(4.0, os.kill, (pids[1], signal.SIGCONT)).start()
+    start = time.monotonic()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    result = hvd.allreduce(torch.ones(2) * (rank + 1), name="x", op=hvd.Sum)
+    return {
+        "result": result.tolist(),
+        "elapsed_s": time.monotonic() - start,
+        "warnings": warnings,
+    }
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_stopped_member_is_waited_for_as_on_the_full_path(np: int) -> None:
+    # A member stopped for 4 s (SIGSTOP): the others' call goes to the engine after the lane's
+    # settling time and completes once the member is back, with the same warnings as on the
+    # full path (whose engine cannot exchange with a stopped rank either).
+    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1"}
+    fast = run_job(_stopped_member, np, env=env, timeout_s=60)
+    full = run_job(_stopped_member, np, env={**env, **FULL_PATH}, timeout_s=60)
+    total = float(sum(range(1, np + 1)))
+    for observed in fast + full:
+        assert observed["result"] == [total, total]
+    assert fast[0]["elapsed_s"] >= 3.5, fast[0]
+    assert [r["warnings"] for r in fast] == [r["warnings"] for r in full]
