@@ -15,7 +15,12 @@ from hora.common.transport import shm_segment
 from .jobs import error_of, run_job
 
 FULL_PATH = {"HORA_FAST_PATH": "0"}
-STALL_ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+FAST = {"HORA_FAST_PATH": "1"}  # off by default
+STALL_ENV = {
+    **FAST,
+    "HORA_STALL_CHECK_TIME_SECONDS": "1",
+    "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3",
+}
 
 pytestmark = pytest.mark.skipif(
     shm_segment.supported() is not None, reason=f"no shared-memory path: {shm_segment.supported()}"
@@ -90,7 +95,7 @@ def _mixed_run(count: int, seed: int) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_mixed_calls_give_the_full_paths_bits(np: int) -> None:
-    fast = run_job(_mixed_run, np, 600, np, timeout_s=200)
+    fast = run_job(_mixed_run, np, 600, np, env=FAST, timeout_s=200)
     full = run_job(_mixed_run, np, 600, np, env=FULL_PATH, timeout_s=200)
     assert [r["digest"] for r in fast] == [r["digest"] for r in full]
     assert len({r["digest"] for r in fast}) <= np  # broadcasts/allreduces agree per rank
@@ -100,7 +105,7 @@ def test_mixed_calls_give_the_full_paths_bits(np: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_long_mixed_run_gives_the_full_paths_bits() -> None:
-    fast = run_job(_mixed_run, 2, 10_000, 7, timeout_s=500)
+    fast = run_job(_mixed_run, 2, 10_000, 7, env=FAST, timeout_s=500)
     full = run_job(_mixed_run, 2, 10_000, 7, env=FULL_PATH, timeout_s=500)
     assert [r["digest"] for r in fast] == [r["digest"] for r in full]
     assert all(r["inline"] > 3000 for r in fast), fast
@@ -136,7 +141,7 @@ def _mismatches() -> dict[str, Any]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_mismatches_raise_the_full_paths_errors(np: int) -> None:
-    fast = run_job(_mismatches, np)
+    fast = run_job(_mismatches, np, env=FAST)
     full = run_job(_mismatches, np, env=FULL_PATH)
     for rank in range(np):
         for what in ("shape", "dtype", "op", "broadcast root"):
@@ -211,7 +216,7 @@ def _sync_here_async_there() -> dict[str, Any]:
 def test_sync_on_one_rank_and_async_on_another_completes(np: int) -> None:
     import torch
 
-    for out in run_job(_sync_here_async_there, np, timeout_s=60):
+    for out in run_job(_sync_here_async_there, np, env=FAST, timeout_s=60):
         for step in range(20):
             expected = sum(float(r + step) for r in range(np))
             assert torch.equal(out[f"mixed.{step}"], torch.full((1000,), expected))
@@ -253,7 +258,7 @@ def _join_and_go_on() -> dict[str, Any]:
 def test_join_falls_back_and_the_lane_comes_back_after_it(np: int) -> None:
     import torch
 
-    for rank, out in enumerate(run_job(_join_and_go_on, np, timeout_s=120)):
+    for rank, out in enumerate(run_job(_join_and_go_on, np, env=FAST, timeout_s=120)):
         for step in range(3 if rank == 0 else 8):
             everyone = range(np) if step < 3 else range(1, np)
             expected = torch.ones(4) * sum(r + 1 for r in everyone)
@@ -308,7 +313,7 @@ def test_a_stopped_member_is_waited_for_as_on_the_full_path(np: int) -> None:
     # A member stopped for 4 s (SIGSTOP): the others' call goes to the engine after the lane's
     # settling time and completes once the member is back, with the same warnings as on the
     # full path (whose engine cannot exchange with a stopped rank either).
-    env = {"HORA_STALL_CHECK_TIME_SECONDS": "1"}
+    env = {**FAST, "HORA_STALL_CHECK_TIME_SECONDS": "1"}
     fast = run_job(_stopped_member, np, env=env, timeout_s=60)
     full = run_job(_stopped_member, np, env={**env, **FULL_PATH}, timeout_s=60)
     total = float(sum(range(1, np + 1)))
