@@ -12,8 +12,9 @@ directions) and, for each layout (hosts x ranks: 1x2, 2x1, 2x2, 4x1), runs these
 - ``hora``: hora on its default path (hierarchical where every host runs several ranks) and,
   beside it in the same job, DDP on a Gloo group of the same ranks: allreduce bus bandwidth
   (hora and raw ``torch.distributed.all_reduce``) and training throughput of the three models
-  of benchmarks/training.py, each trained one rank alone (``single``), with DDP, with hora, and
-  with hora's ``Compression.fp16`` and ``Compression.bf16``;
+  of benchmarks/training.py, each trained one rank alone (``single``), with DDP and with hora;
+- ``fp16`` and ``bf16``: the same models trained with DDP and with hora's ``Compression.fp16``
+  (or ``Compression.bf16``), in jobs of their own (see :data:`COMPRESSIONS`);
 - ``flat`` (layouts with several ranks on each of several hosts): the same for hora with
   ``HORA_HIERARCHICAL_ALLREDUCE=0``, one Gloo group of every rank;
 - ``mpi`` (layouts across hosts, when ``mpirun`` and mpi4py are there): hora under
