@@ -108,8 +108,8 @@ def _delete_namespace(name: str) -> None:
 
 
 def remove_stale() -> list[str]:
-    """Remove namespaces and bridges of clusters whose creating process is gone, and hora's
-    shared-memory segments whose creator is gone; returns what it removed."""
+    """Remove the namespaces, bridges and SSH key folders of clusters whose creating process is
+    gone, and hora's shared-memory segments whose creator is gone; returns what it removed."""
     removed = []
     for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
         match = NAMESPACE.match(line)
@@ -122,6 +122,11 @@ def remove_stale() -> list[str]:
         if match and not _alive(int(match.group(2))):
             _run(["ip", "link", "del", match.group(1)], check=False)
             removed.append(match.group(1))
+    for folder in Path(tempfile.gettempdir()).glob("hora-cluster-*-*"):
+        match = re.fullmatch(r"hora-cluster-(\d+)-\w+", folder.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
     return removed + sweep()
 
 
@@ -189,7 +194,7 @@ class Cluster:
             rate=rate,
             bridge=f"hbr{pid}-c{number}",
             launcher="",
-            keys=Path(tempfile.mkdtemp(prefix="hora-cluster-")) if keys is None else keys,
+            keys=Path(tempfile.mkdtemp(prefix=f"hora-cluster-{pid}-")) if keys is None else keys,
             _owned_keys=owned,
         )
         try:

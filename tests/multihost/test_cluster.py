@@ -62,7 +62,7 @@ CLUSTER_SCRIPT = """
 import sys, time
 from hora.tools.cluster import Cluster
 cluster = Cluster.start(hosts=2, rate="1gbit")
-print(" ".join([cluster.bridge, *cluster.namespaces]), flush=True)
+print(" ".join([cluster.bridge, *cluster.namespaces, str(cluster.keys)]), flush=True)
 time.sleep(600)
 """
 
@@ -76,8 +76,9 @@ def test_a_killed_makers_cluster_is_removed_by_the_next_one() -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert maker.stdout is not None
-    names = maker.stdout.readline().split()
+    *names, keys = maker.stdout.readline().split()
     assert len(names) == 3, names
+    assert Path(keys).is_dir()
     maker.send_signal(signal.SIGKILL)
     maker.wait()
     stale = Cluster(rate=None, bridge=names[0], launcher="", namespaces=names[1:])
@@ -85,6 +86,7 @@ def test_a_killed_makers_cluster_is_removed_by_the_next_one() -> None:
     removed = emulated.remove_stale()
     assert set(names) <= set(removed)
     assert _leftovers(stale) == []
+    assert not Path(keys).exists()
 
 
 WORKER = """
