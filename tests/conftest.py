@@ -115,6 +115,8 @@ SERIAL: dict[str, str] = {
     ),
     "tests/multiproc/test_metrics.py::test_a_port_another_user_holds_costs_that_ranks_endpoint_"
     "not_the_job": "rank 1 binds the held port + 1, which must be free (as above)",
+    "tests/multihost/test_cluster.py": "measures a shaped link's rate and the cluster's start "
+    "and teardown time (10 s at most), which busy neighbours would slow",
     "tests/multiproc/test_setting_agreement.py::test_shared_memory_set_differently_is_named_on_"
     "every_rank_at_once": "the whole job, three processes starting, must end within 15 s",
 }
