@@ -291,10 +291,10 @@ def _holding_worker() -> dict[str, Any]:
     events: list[str] = []
     enqueue = engine.enqueue
 
-    def recording_enqueue(entries: Any) -> None:
+    def recording_enqueue(entries: Any, posted: bool = False) -> None:
         # Records each submission, then queues it as usual.
         events.extend("submit " + e.request.name.removeprefix("allreduce.grad.") for e in entries)
-        enqueue(entries)
+        enqueue(entries, posted=posted)
 
     engine.enqueue = recording_enqueue  # type: ignore[method-assign]
 
