@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+import psutil
+
 from hora.common.job.shm_names import sweep
 
 NETNS_DIR = "/etc/netns"
@@ -87,16 +89,6 @@ def tbf_arguments(rate_bits: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "20ms"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _delete_namespace(name: str) -> None:
     for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
         try:
@@ -113,18 +105,18 @@ def remove_stale() -> list[str]:
     removed = []
     for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
         match = NAMESPACE.match(line)
-        if match and not _alive(int(match.group(2))):
+        if match and not psutil.pid_exists(int(match.group(2))):
             _delete_namespace(match.group(1))
             removed.append(match.group(1))
     bridges = _run(["ip", "-o", "link", "show", "type", "bridge"], check=False).stdout
     for line in bridges.splitlines():
         match = BRIDGE.search(line)
-        if match and not _alive(int(match.group(2))):
+        if match and not psutil.pid_exists(int(match.group(2))):
             _run(["ip", "link", "del", match.group(1)], check=False)
             removed.append(match.group(1))
     for folder in Path(tempfile.gettempdir()).glob("hora-cluster-*-*"):
         match = re.fullmatch(r"hora-cluster-(\d+)-\w+", folder.name)
-        if match and not _alive(int(match.group(1))):
+        if match and not psutil.pid_exists(int(match.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(str(folder))
     return removed + sweep()
