@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +60,19 @@ def survivors(procs: list[psutil.Process], timeout_s: float) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return described
+
+
+def kill_tree(pid: int) -> list[psutil.Process]:
+    """SIGKILL the process ``pid`` (a launcher) and every process under it (workers, watchdogs),
+    all at once; the processes, for :func:`survivors`."""
+    root = psutil.Process(pid)
+    procs = [*root.children(recursive=True), root]
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
 
 
 def kill_all(token: str) -> None:

@@ -13,7 +13,6 @@ tests/multiproc/test_elastic.py.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 from tests.multiproc import deterministic_train
 from tests.multiproc.jobs import assert_raised, error_of, run_job
 from tests.multiproc.test_elastic import _discovery, _finish, _rewrite_when
-from tests.processes import survivors
+from tests.processes import kill_tree, survivors
 
 HORARUN = [sys.executable, "-m", "hora.runner.launch"]
 WORKER = str(Path(deterministic_train.__file__))
@@ -140,18 +139,6 @@ def test_an_elastic_job_that_loses_two_workers_and_gains_one_ends_with_the_same_
     assert _differences(reference, result) == []
 
 
-def _kill_the_whole_job(job: subprocess.Popen[str]) -> list[psutil.Process]:
-    root = psutil.Process(job.pid)
-    procs = [*root.children(recursive=True), root]
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    job.communicate(timeout=30)
-    return procs
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_job_killed_entirely_resumes_from_its_durable_commit_with_the_same_bits(
@@ -176,7 +163,8 @@ def test_a_job_killed_entirely_resumes_from_its_durable_commit_with_the_same_bit
             time.sleep(0.05)
         time.sleep(0.3)  # the other ranks reach the hold too
     finally:
-        procs = _kill_the_whole_job(job)
+        procs = kill_tree(job.pid)
+        job.communicate(timeout=30)
     assert survivors(procs, timeout_s=10) == []
     assert not (tmp_path / "result.pt").exists()
 

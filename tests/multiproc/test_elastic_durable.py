@@ -27,7 +27,7 @@ import pytest
 import hora.torch as hvd
 from tests.multiproc import elastic_train
 from tests.multiproc.test_elastic import _check_history, _discovery, _finish, _start
-from tests.processes import survivors
+from tests.processes import kill_tree, survivors
 
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
@@ -49,18 +49,6 @@ def _log(path: Path) -> list[tuple[int, int]]:
     return [(int(e), int(b)) for e, b in zip(lines[0::2], lines[1::2])]
 
 
-def _kill_the_whole_job(job_pid: int) -> list[psutil.Process]:
-    """SIGKILL horarun and every process under it (workers, watchdogs), all at once."""
-    root = psutil.Process(job_pid)
-    procs = [*root.children(recursive=True), root]
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    return procs
-
-
 def _run_until_held(tmp_path: Path, np: int, env: dict[str, str]) -> None:
     """Start the job; once every rank holds at the commit, kill all of it."""
     script, _ = _discovery(tmp_path, HOSTS[:np])
@@ -80,12 +68,12 @@ def _run_until_held(tmp_path: Path, np: int, env: dict[str, str]) -> None:
                 raise AssertionError(f"the job did not reach the hold:\n{out}\n{err[-3000:]}")
             time.sleep(0.05)
         time.sleep(0.2)  # every other rank is at the commit too (waiting for rank 0, or held)
-        procs = _kill_the_whole_job(job.pid)
+        procs = kill_tree(job.pid)
         job.communicate(timeout=30)
         assert job.returncode == -signal.SIGKILL
     finally:
         if job.poll() is None:
-            procs = _kill_the_whole_job(job.pid)
+            procs = kill_tree(job.pid)
             job.communicate(timeout=30)
     assert survivors(procs, timeout_s=10) == []
 

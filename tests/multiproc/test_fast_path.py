@@ -13,6 +13,7 @@ import pytest
 from hora.common.transport import shm_segment
 
 from .jobs import error_of, run_job
+from .test_failures import _stalled_worker
 
 FULL_PATH = {"HORA_FAST_PATH": "0"}
 FAST = {"HORA_FAST_PATH": "1"}  # off by default
@@ -152,27 +153,10 @@ def test_mismatches_raise_the_full_paths_errors(np: int) -> None:
     assert all(int(r["inline"]) >= 1 for r in fast)
 
 
-def _stalled_name() -> dict[str, Any]:
-    import time
-
-    import torch
-
-    import hora.torch as hvd
-
-    hvd.init()
-    name = "y" if hvd.rank() == 1 else "x"
-    start = time.monotonic()
-    try:
-        hvd.allreduce(torch.ones(2), name=name)
-    except hvd.HoraInternalError as exc:
-        return {"message": str(exc), "elapsed_s": time.monotonic() - start}
-    return {"message": None, "elapsed_s": time.monotonic() - start}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("np", [2, 3])
 def test_a_mismatched_name_is_reported_by_the_stall_inspector(np: int) -> None:
-    for observed in run_job(_stalled_name, np, env=STALL_ENV, timeout_s=60):
+    for observed in run_job(_stalled_worker, np, env=STALL_ENV, timeout_s=60):
         assert observed["message"] is not None
         assert "stalled for longer than 3 seconds" in observed["message"]
         assert "1!: [allreduce.x]" in observed["message"]
