@@ -331,19 +331,17 @@ class Segment:
         """Publish this member's arrival counter; wake its waiters only if a member sleeps
         (:meth:`wait_arrivals` with ``flagged``), so that an arrival costs no system call
         while the others spin."""
-        words = self._words
-        word = _member_word(self.rank, 0)
-        words[word] = value
-        for member in range(self.size):
-            if member != self.rank and words[_member_word(member, _SLEEPING)]:
-                self._futex.wake(self._base + word * 4)
-                return
+        self._publish(_member_word(self.rank, 0), value)
 
     def ring(self, value: int) -> None:
         """Publish this member's *bell* counter (it posted on a lane: :mod:`.shm_lane`); wake
         its waiters only if a member sleeps."""
+        self._publish(_member_word(self.rank, _BELL), value)
+
+    def _publish(self, word: int, value: int) -> None:
+        """Write one of this member's counters; wake the waiters on it only if another member
+        sleeps."""
         words = self._words
-        word = _member_word(self.rank, _BELL)
         words[word] = value
         for member in range(self.size):
             if member != self.rank and words[_member_word(member, _SLEEPING)]:
