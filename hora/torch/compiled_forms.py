@@ -1,7 +1,10 @@
-"""hora's public collectives as ``torch.compile`` traces them: the same signatures, written with
-the operators of :mod:`hora.torch.compiled_ops`. :mod:`hora.torch.ops` and
-:mod:`hora.torch.handle_ops` call these instead of the eager forms while Dynamo traces
-(``torch.compiler.is_compiling()``), so that a call becomes one node of the graph.
+"""hora's public collectives as ``torch.compile`` traces them, written with the operators of
+:mod:`hora.torch.compiled_ops`. :mod:`hora.torch.ops` and :mod:`hora.torch.handle_ops` call these
+instead of the eager forms while Dynamo traces (``torch.compiler.is_compiling()``), so that a
+call becomes one node of the graph. Each takes its public form's arguments, positionally; one
+function serves a collective and its grouped form (``grouped``: a list of tensors, one operator
+call), and an in-place form is the functional one whose results are :func:`written` into its
+tensors.
 
 What differs from eager mode, by necessity:
 
@@ -24,10 +27,9 @@ from typing import Any
 
 import torch
 
-from hora.common.process_sets import ProcessSet, global_process_set
-from hora.common.vocabulary.message import ReduceOp
+from hora.common.process_sets import ProcessSet
 from hora.torch.compiled_ops import COMPRESSIONS, hora_op
-from hora.torch.compression import Compression
+from hora.torch.compression import compressed
 
 # ---------------------------------------------------------------- the public forms, traced
 
@@ -43,127 +45,82 @@ def _set_id(process_set: ProcessSet) -> int:
     return -1 if set_id is None else set_id
 
 
-def _compressed(compression: Any, tensors: Sequence[torch.Tensor], run: Any) -> list[torch.Tensor]:
-    """``run(tensors, name)`` with the compression named, for hora's compressors; a compressor
-    of the user's is applied around the call, as in eager mode."""
-    for name, known in COMPRESSIONS.items():
+def _reduced(
+    kind: str,
+    tensors: Sequence[torch.Tensor],
+    grouped: bool,
+    name: str | None,
+    compression: Any,
+    args: tuple[Any, ...],
+) -> list[torch.Tensor]:
+    """Operator ``kind`` (``grouped_kind`` when ``grouped``) on the tensors, with the compression
+    named, for hora's compressors; a compressor of the user's is applied around the call, as in
+    eager mode. ``args``: the operator's arguments between the name and the compression."""
+    operator = hora_op(f"grouped_{kind}" if grouped else kind)
+
+    def run(sent: list[torch.Tensor], how: str) -> list[torch.Tensor]:
+        if grouped:
+            return list(operator(sent, name, *args, how))
+        return [operator(sent[0], name, *args, how)]
+
+    for how, known in COMPRESSIONS.items():
         if compression is known:
-            return list(run(list(tensors), name))
-    sent = [compression.compress(t) for t in tensors]
-    results = run([t.contiguous() for t, _ in sent], "none")
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, sent)]
+            return run(list(tensors), how)
+    return compressed(compression, tensors, lambda sent: run(sent, "none"))
 
 
 def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = Compression.none,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
-    args = (_op(op), average, float(prescale_factor), float(postscale_factor), _set_id(process_set))
-    (result,) = _compressed(
-        compression, [tensor], lambda ts, how: [hora_op("allreduce")(ts[0], name, *args, how)]
-    )
-    return result
-
-
-def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = Compression.none,
-    op: Any = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
+    grouped: bool,
+    average: bool | None,
+    name: str | None,
+    compression: Any,
+    op: Any,
+    scales: tuple[float, float],
+    process_set: ProcessSet,
 ) -> list[torch.Tensor]:
-    args = (_op(op), average, float(prescale_factor), float(postscale_factor), _set_id(process_set))
-    return _compressed(
-        compression, tensors, lambda ts, how: hora_op("grouped_allreduce")(ts, name, *args, how)
-    )
+    """``allreduce`` (one tensor) or ``grouped_allreduce``, traced."""
+    args = (_op(op), average, float(scales[0]), float(scales[1]), _set_id(process_set))
+    return _reduced("allreduce", tensors, grouped, name, compression, args)
 
 
 def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> torch.Tensor:
-    set_id = _set_id(process_set)
-    return hora_op("allgather")(tensor, name, set_id)  # type: ignore[no-any-return]
-
-
-def grouped_allgather(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
+    tensors: Sequence[torch.Tensor], grouped: bool, name: str | None, process_set: ProcessSet
 ) -> list[torch.Tensor]:
+    """``allgather`` (one tensor) or ``grouped_allgather``, traced."""
     set_id = _set_id(process_set)
-    return list(hora_op("grouped_allgather")(list(tensors), name, set_id))
+    if grouped:
+        return list(hora_op("grouped_allgather")(list(tensors), name, set_id))
+    return [hora_op("allgather")(tensors[0], name, set_id)]
 
 
 def broadcast(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
+    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet
 ) -> torch.Tensor:
     set_id = _set_id(process_set)
     return hora_op("broadcast")(tensor, int(root_rank), name, set_id)  # type: ignore[no-any-return]
 
 
-def _exchange(
-    tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet
-) -> tuple[torch.Tensor, torch.Tensor]:
+def alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet) -> Any:
     sent = splits
     if splits is not None and not isinstance(splits, torch.Tensor):
         sent = torch.tensor([int(s) for s in splits], dtype=torch.int32)
     output, received = hora_op("alltoall")(tensor, sent, name, _set_id(process_set), None)
-    return output, received
-
-
-def alltoall(
-    tensor: torch.Tensor,
-    splits: Any = None,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> Any:
-    output, received = _exchange(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
 
 
 def reducescatter(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    compression: Any = Compression.none,
-    op: Any = ReduceOp.AVERAGE,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> torch.Tensor:
-    args = (_op(op), float(prescale_factor), float(postscale_factor), _set_id(process_set))
-    (result,) = _compressed(
-        compression, [tensor], lambda ts, how: [hora_op("reducescatter")(ts[0], name, *args, how)]
-    )
-    return result
-
-
-def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    compression: Any = Compression.none,
-    op: Any = ReduceOp.AVERAGE,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
+    grouped: bool,
+    name: str | None,
+    compression: Any,
+    op: Any,
+    process_set: ProcessSet,
+    scales: tuple[float, float],
 ) -> list[torch.Tensor]:
-    args = (_op(op), float(prescale_factor), float(postscale_factor), _set_id(process_set))
-    return _compressed(
-        compression,
-        tensors,
-        lambda ts, how: hora_op("grouped_reducescatter")(ts, name, *args, how),
-    )
+    """``reducescatter`` (one tensor) or ``grouped_reducescatter``, traced."""
+    args = (_op(op), float(scales[0]), float(scales[1]), _set_id(process_set))
+    return _reduced("reducescatter", tensors, grouped, name, compression, args)
 
 
 # ---------------------------------------------------------------- the forms with handles
@@ -178,44 +135,10 @@ def no_handle(form: str, functional: str) -> None:
     )
 
 
-def _written(tensors: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
+def written(tensors: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """An in-place form (``allreduce_``, ...): the functional form's ``results`` copied into
+    ``tensors``, which it returns."""
     with torch.no_grad():
         for tensor, result in zip(tensors, results):
             tensor.copy_(result)
-
-
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None,
-    name: str | None,
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-) -> torch.Tensor:
-    scales = (prescale_factor, postscale_factor)
-    none = Compression.none
-    _written([tensor], [allreduce(tensor, average, name, none, op, *scales, process_set)])
-    return tensor
-
-
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None,
-    name: str | None,
-    op: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-) -> list[torch.Tensor]:
-    scales = (prescale_factor, postscale_factor)
-    none = Compression.none
-    _written(tensors, grouped_allreduce(tensors, average, name, none, op, *scales, process_set))
     return list(tensors)
-
-
-def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet
-) -> torch.Tensor:
-    _written([tensor], [broadcast(tensor, root_rank, name, process_set)])
-    return tensor

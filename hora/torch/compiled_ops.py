@@ -30,7 +30,7 @@ from hora.common.ops import collectives, submission
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.common.vocabulary.errors import HoraInternalError, HoraValueError
 from hora.common.vocabulary.message import ReduceOp, RequestType
-from hora.torch.compression import Compression
+from hora.torch.compression import Compression, compressed
 
 try:
     from torch._library.effects import EffectType
@@ -116,82 +116,47 @@ def _own(results: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> lis
 
 def _reduce(
     kind: RequestType,
-    tensors: Sequence[torch.Tensor],
+    tensors: torch.Tensor | list[torch.Tensor],
     name: str | None,
     ops: tuple[int | None, bool | None],
-    scales: tuple[float, float],
+    prescale: float,
+    postscale: float,
     set_id: int,
-    grouped: bool,
     compression: str,
-) -> list[torch.Tensor]:
-    """An allreduce or reducescatter as the eager call runs it: compressed, contiguous."""
-    compressor = COMPRESSIONS[compression]
-    sent = [compressor.compress(t) for t in tensors]
-    wire = [t.contiguous() for t, _ in sent]
+) -> Any:
+    """An allreduce or reducescatter as the eager call runs it: compressed, contiguous. A list
+    of tensors is the grouped operator's call, and gives a list."""
+    grouped = isinstance(tensors, list)
+    inputs = tensors if isinstance(tensors, list) else [tensors]
     process_set = _process_set(set_id)
     op, average = ops
-    if kind == RequestType.ALLREDUCE:
-        handle = collectives.allreduce_async(
-            wire, False, name, op, average, *scales, process_set, grouped
-        )
-    else:
-        handle = collectives.reducescatter_async(wire, name, op, process_set, *scales, grouped)
-    results = collectives.results(handle, grouped)
-    return _own([compressor.decompress(r, ctx) for r, (_, ctx) in zip(results, sent)], tensors)
+    scales = (prescale, postscale)
+
+    def reduce(wire: list[torch.Tensor]) -> list[torch.Tensor]:
+        if kind == RequestType.ALLREDUCE:
+            handle = collectives.allreduce_async(
+                wire, False, name, op, average, *scales, process_set, grouped
+            )
+        else:
+            handle = collectives.reducescatter_async(wire, name, op, process_set, *scales, grouped)
+        return collectives.results(handle, grouped)
+
+    mine = _own(compressed(COMPRESSIONS[compression], inputs, reduce), inputs)
+    return mine if grouped else mine[0]
+
+
+# What operators allreduce and grouped_allreduce (reducescatter and grouped_reducescatter) run:
+# their schema's arguments, the rest as _reduce takes them.
 
 
 def _allreduce(
-    tensor: torch.Tensor,
-    name: str | None,
-    op: int | None,
-    average: bool | None,
-    prescale: float,
-    postscale: float,
-    set_id: int,
-    compression: str,
-) -> torch.Tensor:
-    kind, scales = RequestType.ALLREDUCE, (prescale, postscale)
-    return _reduce(kind, [tensor], name, (op, average), scales, set_id, False, compression)[0]
+    tensors: Any, name: str | None, op: int | None, average: bool | None, *rest: Any
+) -> Any:
+    return _reduce(RequestType.ALLREDUCE, tensors, name, (op, average), *rest)
 
 
-def _grouped_allreduce(
-    tensors: list[torch.Tensor],
-    name: str | None,
-    op: int | None,
-    average: bool | None,
-    prescale: float,
-    postscale: float,
-    set_id: int,
-    compression: str,
-) -> list[torch.Tensor]:
-    kind, scales = RequestType.ALLREDUCE, (prescale, postscale)
-    return _reduce(kind, tensors, name, (op, average), scales, set_id, True, compression)
-
-
-def _reducescatter(
-    tensor: torch.Tensor,
-    name: str | None,
-    op: int | None,
-    prescale: float,
-    postscale: float,
-    set_id: int,
-    compression: str,
-) -> torch.Tensor:
-    kind, scales = RequestType.REDUCESCATTER, (prescale, postscale)
-    return _reduce(kind, [tensor], name, (op, None), scales, set_id, False, compression)[0]
-
-
-def _grouped_reducescatter(
-    tensors: list[torch.Tensor],
-    name: str | None,
-    op: int | None,
-    prescale: float,
-    postscale: float,
-    set_id: int,
-    compression: str,
-) -> list[torch.Tensor]:
-    kind, scales = RequestType.REDUCESCATTER, (prescale, postscale)
-    return _reduce(kind, tensors, name, (op, None), scales, set_id, True, compression)
+def _reducescatter(tensors: Any, name: str | None, op: int | None, *rest: Any) -> Any:
+    return _reduce(RequestType.REDUCESCATTER, tensors, name, (op, None), *rest)
 
 
 def _check_rows(kind: str, got: int, expected: int | None) -> None:
@@ -433,13 +398,13 @@ def _grouped_reducescatter_grad(ctx: Any, grads: list[torch.Tensor | None]) -> t
 
 IMPLEMENTATIONS: dict[str, tuple[Any, Any]] = {
     "allreduce": (_allreduce, _allreduce_grad),
-    "grouped_allreduce": (_grouped_allreduce, _grouped_allreduce_grad),
+    "grouped_allreduce": (_allreduce, _grouped_allreduce_grad),
     "allgather": (_allgather, _allgather_grad),
     "grouped_allgather": (_grouped_allgather, _grouped_allgather_grad),
     "broadcast": (_broadcast, _broadcast_grad),
     "alltoall": (_alltoall, _alltoall_grad),
     "reducescatter": (_reducescatter, _reducescatter_grad),
-    "grouped_reducescatter": (_grouped_reducescatter, _grouped_reducescatter_grad),
+    "grouped_reducescatter": (_reducescatter, _grouped_reducescatter_grad),
     "allgather_backward": (_allgather_backward, None),
     "reducescatter_backward": (_reducescatter_backward, None),
 }

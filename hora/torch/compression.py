@@ -3,6 +3,7 @@ PyTorch's casts (``Compression.none``, ``.fp16``, ``.bf16``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,3 +47,15 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def compressed(
+    compression: Any,
+    tensors: Sequence[torch.Tensor],
+    run: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """``run`` on the tensors as ``compression`` sends them (contiguous); each result as
+    ``compression`` gives it back. (hora's collectives use it; not one of Horovod's names.)"""
+    sent = [compression.compress(t) for t in tensors]
+    results = run([t.contiguous() for t, _ in sent])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, sent)]

@@ -25,10 +25,13 @@ from hora.common.vocabulary.errors import HoraValueError
 from hora.common.vocabulary.message import ReduceOp, RequestType
 from hora.torch import compiled_forms as compiled
 from hora.torch.compiled_ops import tracing
+from hora.torch.compression import Compression
 
 _allreduce = collectives.allreduce_async
 _reducescatter = collectives.reducescatter_async
 Average = ReduceOp.AVERAGE
+# What an in-place form reduces with while traced (it has no compression of its own).
+_UNCOMPRESSED = Compression.none
 
 
 # ---------------------------------------------------------------- allreduce
@@ -80,10 +83,12 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
-    if tracing():
-        scales = (prescale_factor, postscale_factor)
-        return compiled.allreduce_(tensor, average, name, op, *scales, process_set)
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        traced = compiled.allreduce(
+            [tensor], False, average, name, _UNCOMPRESSED, op, scales, process_set
+        )
+        return compiled.written([tensor], traced)[0]
     handle = _allreduce([tensor], True, name, op, average, *scales, process_set, False, True)
     return cast(torch.Tensor, synchronize(handle))
 
@@ -130,10 +135,12 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place."""
-    if tracing():
-        scales = (prescale_factor, postscale_factor)
-        return compiled.grouped_allreduce_(tensors, average, name, op, *scales, process_set)
     scales = (prescale_factor, postscale_factor)
+    if tracing():
+        traced = compiled.allreduce(
+            tensors, True, average, name, _UNCOMPRESSED, op, scales, process_set
+        )
+        return compiled.written(tensors, traced)
     handle = _allreduce(tensors, True, name, op, average, *scales, process_set, True, True)
     return cast(list[torch.Tensor], synchronize(handle))
 
@@ -224,7 +231,8 @@ def broadcast_(
 ) -> torch.Tensor:
     """Broadcast into ``tensor`` in place and return it."""
     if tracing():
-        return compiled.broadcast_(tensor, root_rank, name, process_set)
+        received = compiled.broadcast(tensor, root_rank, name, process_set)
+        return compiled.written([tensor], [received])[0]
     handle = collectives.broadcast_async(tensor, root_rank, name, process_set, True, True)
     return cast(torch.Tensor, synchronize(handle))
 

@@ -33,6 +33,7 @@ from hora.common.process_sets import global_process_set as global_process_set
 from hora.torch import compiled_forms as _compiled
 from hora.torch.compiled_ops import tracing as _tracing
 from hora.torch.compression import Compression
+from hora.torch.compression import compressed as _compressed
 from hora.torch.handle_ops import allgather_async as allgather_async
 from hora.torch.handle_ops import allreduce_ as allreduce_
 from hora.torch.handle_ops import allreduce_async as allreduce_async
@@ -95,18 +96,6 @@ def _contiguous(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-def _compressed(
-    compression: Any,
-    tensors: Sequence[torch.Tensor],
-    run: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
-) -> list[torch.Tensor]:
-    """``run`` on the tensors as ``compression`` sends them (contiguous); each result as
-    ``compression`` gives it back."""
-    compressed = [compression.compress(t) for t in tensors]
-    results = run([c.contiguous() for c, _ in compressed])
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
-
-
 # ---------------------------------------------------------------- allreduce
 
 
@@ -165,7 +154,10 @@ def allreduce(
     """
     scales = (prescale_factor, postscale_factor)
     if _tracing():
-        return _compiled.allreduce(tensor, average, name, compression, op, *scales, process_set)
+        (traced,) = _compiled.allreduce(
+            [tensor], False, average, name, compression, op, scales, process_set
+        )
+        return traced
     (result,) = _compressed(
         compression,
         [tensor],
@@ -189,8 +181,9 @@ def grouped_allreduce(
     """Reduce a list of tensors together (one negotiation, fused where possible)."""
     scales = (prescale_factor, postscale_factor)
     if _tracing():
-        args = (average, name, compression, op, *scales, process_set)
-        return _compiled.grouped_allreduce(tensors, *args)
+        return _compiled.allreduce(
+            tensors, True, average, name, compression, op, scales, process_set
+        )
     return _compressed(
         compression,
         tensors,
@@ -243,7 +236,7 @@ def allgather(
         >>> hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
     """
     if _tracing():
-        return _compiled.allgather(tensor, name, process_set)
+        return _compiled.allgather([tensor], False, name, process_set)[0]
     (result,) = _differentiable_allgather([tensor], False, name, process_set)
     return cast(torch.Tensor, result)
 
@@ -255,7 +248,7 @@ def grouped_allgather(
 ) -> list[torch.Tensor]:
     """Allgather each tensor of a list, negotiated together."""
     if _tracing():
-        return _compiled.grouped_allgather(tensors, name, process_set)
+        return _compiled.allgather(tensors, True, name, process_set)
     return list(_differentiable_allgather(list(tensors), True, name, process_set))
 
 
@@ -383,8 +376,10 @@ def reducescatter(
     """
     scales = (prescale_factor, postscale_factor)
     if _tracing():
-        args = (name, compression, op, process_set, *scales)
-        return _compiled.reducescatter(tensor, *args)
+        (traced,) = _compiled.reducescatter(
+            [tensor], False, name, compression, op, process_set, scales
+        )
+        return traced
     (result,) = _compressed(
         compression,
         [tensor],
@@ -405,8 +400,7 @@ def grouped_reducescatter(
     """Reducescatter each tensor of a list, negotiated together."""
     scales = (prescale_factor, postscale_factor)
     if _tracing():
-        args = (name, compression, op, process_set, *scales)
-        return _compiled.grouped_reducescatter(tensors, *args)
+        return _compiled.reducescatter(tensors, True, name, compression, op, process_set, scales)
     return _compressed(
         compression,
         tensors,
