@@ -44,16 +44,12 @@ def _requests(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 def test_names_fields_and_result_shapes(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _requests(monkeypatch)
-    single = submission.submit_reduction(
-        RequestType.ALLREDUCE,
-        [torch.ones(3)],
-        [None],
-        "w",
-        ReduceOp.SUM,
-        global_process_set,
-        2.0,
-        0.5,
-        grouped=False,
+    tensors = [torch.ones(3)]
+    fields = submission.reduction(
+        RequestType.ALLREDUCE, tensors, ReduceOp.SUM, global_process_set, 2.0, 0.5
+    )
+    single = submission.submit(
+        RequestType.ALLREDUCE, tensors, [None], "w", global_process_set, False, **fields
     )
     grouped = submission.submit(
         RequestType.ALLGATHER,

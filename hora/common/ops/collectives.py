@@ -70,23 +70,17 @@ def allreduce_async(
     """Start reducing ``tensors`` (one call, or a grouped call of several), in place or into
     new tensors. A ``synchronous`` caller waits for the result at once: the call may run on
     its thread (:mod:`hora.common.ops.fast_path`)."""
-    reduce_op = submission.resolve_op(op, average, RequestType.ALLREDUCE)
+    kind = RequestType.ALLREDUCE
+    reduce_op = submission.resolve_op(op, average, kind)
     tensors = list(tensors)
     outputs = tensors if in_place else [torch.empty_like(t) for t in tensors]
-    return submission.register(
-        submission.submit_reduction(
-            RequestType.ALLREDUCE,
-            tensors,
-            outputs,
-            name,
-            reduce_op,
-            process_set,
-            prescale_factor,
-            postscale_factor,
-            grouped,
-            synchronous,
-        )
+    fields = submission.reduction(
+        kind, tensors, reduce_op, process_set, prescale_factor, postscale_factor
     )
+    handle = submission.submit(
+        kind, tensors, outputs, name, process_set, grouped, synchronous, **fields
+    )
+    return submission.register(handle)
 
 
 def check_not_scalar(tensors: Sequence[torch.Tensor]) -> None:
@@ -210,19 +204,13 @@ def reducescatter_async(
     reduce_op = reducescatter_op(op)
     if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
         raise HoraValueError("Reducescatter needs a tensor with at least one dimension.")
-    return submission.register(
-        submission.submit_reduction(
-            RequestType.REDUCESCATTER,
-            list(tensors),
-            [None] * len(tensors),
-            name,
-            reduce_op,
-            process_set,
-            prescale_factor,
-            postscale_factor,
-            grouped,
-        )
+    kind, tensors = RequestType.REDUCESCATTER, list(tensors)
+    fields = submission.reduction(
+        kind, tensors, reduce_op, process_set, prescale_factor, postscale_factor
     )
+    outputs = [None] * len(tensors)
+    handle = submission.submit(kind, tensors, outputs, name, process_set, grouped, **fields)
+    return submission.register(handle)
 
 
 def reducescatter_gradient_factor(op: Op, prescale: float, postscale: float, size: int) -> float:

@@ -357,32 +357,22 @@ def _grouped_requests(
     return requests
 
 
-def submit_reduction(
+def reduction(
     kind: RequestType,
     tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor | None],
-    name: str | None,
     reduce_op: ReduceOp,
     process_set: ProcessSet,
     prescale_factor: float,
     postscale_factor: float,
-    grouped: bool,
-    synchronous: bool = False,
-) -> Handle:
-    """Check the reduction against every tensor's dtype and submit (allreduce, reducescatter)."""
+) -> RequestFields:
+    """A reduction's fields for :func:`submit` (allreduce, reducescatter), checked against every
+    tensor's dtype."""
     check_reduction(kind, tensors, reduce_op, process_set)
-    return submit(
-        kind,
-        tensors,
-        outputs,
-        name,
-        process_set,
-        grouped=grouped,
-        synchronous=synchronous,
-        reduce_op=reduce_op,
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
-    )
+    return {
+        "reduce_op": reduce_op,
+        "prescale": float(prescale_factor),
+        "postscale": float(postscale_factor),
+    }
 
 
 class RepeatedAllreduce:
@@ -410,15 +400,12 @@ class RepeatedAllreduce:
         process_set: ProcessSet,
         lend: bool = False,
     ) -> None:
-        check_reduction(RequestType.ALLREDUCE, [], op, process_set)
         self._name = f"{_PREFIXES[RequestType.ALLREDUCE]}.{name}"
         self._lend = lend
         self._process_set = process_set
-        self._fields: RequestFields = {
-            "reduce_op": op,
-            "prescale": float(prescale_factor),
-            "postscale": float(postscale_factor),
-        }
+        self._fields = reduction(
+            RequestType.ALLREDUCE, [], op, process_set, prescale_factor, postscale_factor
+        )
         self._request: Request | None = None
         self._engine: Engine | None = None
         self._dtype: torch.dtype | None = None
