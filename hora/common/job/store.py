@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -204,6 +205,7 @@ def _unreachable(addr: str, port: int, timeout_s: float, exc: Exception) -> Runt
     )
 
 
+@dataclass(eq=False, repr=False)
 class StoreClient:
     """A connection to the job's store, with namespaced keys and signed values.
 
@@ -218,26 +220,20 @@ class StoreClient:
             own store service.
     """
 
-    def __init__(
-        self,
-        addr: str,
-        port: int,
-        secret: str,
-        timeout_s: float,
-        prefix: str = "",
-        foreign: bool = False,
-    ) -> None:
-        self.addr = addr
-        self.port = port
-        self.secret = secret
-        self.timeout_s = timeout_s
-        self.prefix = prefix
-        self.foreign = foreign
+    addr: str
+    port: int
+    secret: str
+    timeout_s: float
+    prefix: str = ""
+    foreign: bool = False
+
+    def __post_init__(self) -> None:
+        addr, port, secret, timeout_s = self.addr, self.port, self.secret, self.timeout_s
         # The torch.distributed.Store over self.store, once scoped() made one: kept while the
         # process groups made over it live (C++ reaches it through the Python object).
         self._torch_store: TorchStore | None = None
         self.store: KeyValueStore
-        if addr and not foreign:
+        if addr and not self.foreign:
             try:
                 self.store = StoreConnection(addr, port, secret, timeout_s)
             except StoreAuthenticationError as exc:
@@ -262,7 +258,7 @@ class StoreClient:
                 raise _unreachable(addr, port, timeout_s, exc) from exc
         else:
             self.store = _torch_distributed().HashStore()
-        self.namespace = prefix + namespace_for(secret)
+        self.namespace = self.prefix + namespace_for(secret)
 
     def reconnect(self) -> StoreClient:
         """A second, independent connection (a blocked ``wait`` holds its connection)."""
@@ -270,9 +266,7 @@ class StoreClient:
             clone = object.__new__(StoreClient)
             clone.__dict__.update(self.__dict__)
             return clone
-        return StoreClient(
-            self.addr, self.port, self.secret, self.timeout_s, self.prefix, self.foreign
-        )
+        return replace(self)
 
     def under(self, prefix: str) -> StoreClient:
         """This client's connection, with its keys under ``prefix`` instead (no new
