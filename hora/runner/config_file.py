@@ -74,6 +74,19 @@ def _load_yaml(path: str) -> Any:
         raise OptionError(f"config file {path!r} is not valid YAML: {exc}") from None
 
 
+def _mapping(data: Any, problem: str) -> dict[Any, Any]:
+    """``data``, a YAML mapping; an empty one for ``None`` (an empty file or section).
+
+    Raises:
+        OptionError: ``data`` is something else (``problem`` says what it must be).
+    """
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise OptionError(problem)
+    return data
+
+
 def _read_section(path: str, section: str, body: Any) -> dict[str, Any]:
     """The flag values one section of a config file sets, by ``dest``."""
     if section in _CONFIG_CHOICES:
@@ -85,12 +98,9 @@ def _read_section(path: str, section: str, body: Any) -> dict[str, Any]:
     if section not in CONFIG_KEYS:
         known = ", ".join([*_CONFIG_CHOICES, *CONFIG_KEYS])
         raise OptionError(f"{path}: unknown section {section!r}; the sections are {known}.")
-    if body is None:
-        return {}
-    if not isinstance(body, dict):
-        raise OptionError(f"{path}: section {section!r} must be a mapping of keys to values.")
+    problem = f"{path}: section {section!r} must be a mapping of keys to values."
     values: dict[str, Any] = {}
-    for key, value in body.items():
+    for key, value in _mapping(body, problem).items():
         dest = CONFIG_KEYS[section].get(str(key))
         if dest is None:
             known = ", ".join(CONFIG_KEYS[section])
@@ -108,11 +118,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         OptionError: the file cannot be read, is not YAML, or holds an unknown key or a value of
             the wrong type.
     """
-    data = _load_yaml(path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise OptionError(f"config file {path!r} must hold a mapping of sections.")
+    data = _mapping(_load_yaml(path), f"config file {path!r} must hold a mapping of sections.")
     values: dict[str, Any] = {}
     for section, body in data.items():
         values.update(_read_section(path, str(section), body))
