@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hora.tools.arguments import positive
 from hora.tools.timeline import (
@@ -128,18 +128,19 @@ def format_summary(s: Summary, top: int = 10) -> str:
     return "\n".join(parts)
 
 
+def _section(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A table after a blank line and its title."""
+    return ["", title, _table(headers, rows)]
+
+
 def _steps(s: Summary) -> list[str]:
     """The table of training steps: each rank's medians, then all ranks'."""
     rows = [
         [
-            str(r.rank),
-            str(r.steps),
-            _fmt_ms(r.step_ms_median),
-            _fmt_ms(r.backward_ms_median),
-            _fmt_ms(r.optimizer_step_ms_median),
+            *map(str, (r.rank, r.steps)),
+            *map(_fmt_ms, (r.step_ms_median, r.backward_ms_median, r.optimizer_step_ms_median)),
             _fmt_ms(r.comm_ms_per_step_median),
-            _fmt_share(r.comm_share),
-            _fmt_share(r.overlap_share),
+            *map(_fmt_share, (r.comm_share, r.overlap_share)),
         ]
         for r in s.per_rank
     ]
@@ -156,34 +157,23 @@ def _steps(s: Summary) -> list[str]:
         ]
     )
     headers = ["rank", "steps", "step", "backward", "opt.step", "comm", "comm share", "in backward"]
-    return [
-        "",
-        "Steps (medians in ms; comm = collectives and fusion-buffer copies):",
-        _table(headers, rows),
-    ]
+    title = "Steps (medians in ms; comm = collectives and fusion-buffer copies):"
+    return _section(title, headers, rows)
 
 
 def _waits(s: Summary) -> list[str]:
     """The table of waiting for the last rank to submit, per rank."""
     rows = [
         [
-            str(r.rank),
-            str(r.calls),
-            str(r.negotiated_calls),
-            str(r.steady_calls),
-            str(r.last_count),
-            _fmt_ms(r.wait_ms_total),
-            _fmt_ms(r.wait_ms_mean),
-            _fmt_ms(r.wait_ms_median),
+            *map(str, (r.rank, r.calls, r.negotiated_calls, r.steady_calls, r.last_count)),
+            *map(_fmt_ms, (r.wait_ms_total, r.wait_ms_mean, r.wait_ms_median)),
         ]
         for r in s.per_rank
     ]
     headers = ["rank", "calls", "negotiated", "steady", "last", "wait total", "mean", "median"]
-    return [
-        "",
-        f"Waiting for the last rank to submit ({s.compared_collectives} collectives compared; ms):",
-        _table(headers, rows),
-    ]
+    compared = s.compared_collectives
+    title = f"Waiting for the last rank to submit ({compared} collectives compared; ms):"
+    return _section(title, headers, rows)
 
 
 def _tensors(s: Summary, top: int) -> list[str]:
@@ -197,19 +187,17 @@ def _tensors(s: Summary, top: int) -> list[str]:
             t.name,
             t.op,
             str(t.calls),
-            _fmt_ms(t.collective_ms),
-            _fmt_ms(t.collective_ms_mean),
-            _fmt_ms(t.wait_ms),
+            *map(_fmt_ms, (t.collective_ms, t.collective_ms_mean, t.wait_ms)),
             _fmt_share(t.fused_share),
         ]
         for t in shown
     ]
-    lines = [
-        "",
+    headers = ["tensor", "op", "calls", "collective", "per call", "waiting", "fused"]
+    title = (
         f"Top {len(shown)} of {len(s.tensors)} tensors by collective time "
-        "(ms per rank, summed over calls):",
-        _table(["tensor", "op", "calls", "collective", "per call", "waiting", "fused"], rows),
-    ]
+        "(ms per rank, summed over calls):"
+    )
+    lines = _section(title, headers, rows)
     if more:
         lines.append(f"  ... and {more} more (--top N shows more).")
     return lines
@@ -329,44 +317,58 @@ def add_parser(
     return timeline
 
 
+def _subcommand(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name``, which reads the timeline's files and runs ``handler``."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
+    parser.set_defaults(timeline_handler=handler)
+    return parser
+
+
 def _add_summarize(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    summary = sub.add_parser(
+    summary = _subcommand(
+        sub,
         "summarize",
+        _summarize,
         help="step time, communication share, overlap with backward, straggler, top tensors",
         description="Summarize a timeline: how much of a step is communication, whether it "
         "overlaps backward, which rank the others wait for, the costliest tensors and fusion.",
     )
-    summary.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
     summary.add_argument("--json", action="store_true", help="print the summary as JSON")
     summary.add_argument(
         "--top", type=positive, default=10, metavar="N", help="tensors to list (default 10)"
     )
-    summary.set_defaults(timeline_handler=_summarize)
 
 
 def _add_merge(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    merge = sub.add_parser(
+    merge = _subcommand(
+        sub,
         "merge",
+        _merge,
         help="write all ranks into one Chrome-trace file",
         description="Merge the ranks' files into one Chrome-trace JSON file for Perfetto or "
         "chrome://tracing. Files cut short by a crash are read up to their last whole event.",
     )
-    merge.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
     merge.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
-    merge.set_defaults(timeline_handler=_merge)
 
 
 def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    plot = sub.add_parser(
+    plot = _subcommand(
+        sub,
         "plot",
+        _plot,
         help="draw a few steps of every rank as a PNG (needs matplotlib)",
         description="Draw a Gantt chart of a few training steps from the middle of the run: "
         "per rank, a row of training markers, one of waiting, one of communication. Needs "
         "matplotlib: pip install 'hora[plot]'.",
     )
-    plot.add_argument("files", nargs="+", metavar="FILE", help=_FILES_HELP)
     plot.add_argument("-o", "--output", required=True, metavar="OUT.png", help="PNG to write")
     plot.add_argument(
         "--steps", type=positive, default=3, metavar="N", help="steps to draw (default 3)"
     )
-    plot.set_defaults(timeline_handler=_plot)
