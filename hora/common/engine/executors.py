@@ -122,6 +122,20 @@ class _OneKind:
         return response.kind == self.kind
 
 
+class _OneTensor(_OneKind):
+    """An executor of batches of one response, run on this rank's tensor (a rank that joined
+    has none and takes no part)."""
+
+    def execute(self, run: Run) -> None:
+        entry = run.entry
+        if entry is not None and entry.tensor is not None:
+            self.execute_one(run, entry, entry.tensor)
+
+    def execute_one(self, run: Run, entry: Entry, tensor: torch.Tensor) -> None:
+        """Run the batch on ``tensor`` (``entry``'s) and finish ``entry``'s handle."""
+        raise NotImplementedError
+
+
 class Allreduce(_OneKind):
     """A fused allreduce (Sum, Average, Min, Max, Product), completed on the finisher thread.
 
@@ -235,17 +249,13 @@ class AdasumAllreduce:
             tracer.collective(run.entries, "ADASUM", run.number, times, nbytes, run.host_comm.path)
 
 
-class Allgather(_OneKind):
+class Allgather(_OneTensor):
     """Concatenates every member's tensor along dimension 0 (first dimensions may differ)."""
 
     kind = RequestType.ALLGATHER
 
-    def execute(self, run: Run) -> None:
-        entry = run.entry
-        if entry is None or entry.tensor is None:
-            return
+    def execute_one(self, run: Run, entry: Entry, tensor: torch.Tensor) -> None:
         requests = run.head.requests[0]
-        tensor = entry.tensor
         rows = [requests[r].shape[0] for r in run.members]
         target = run.comm.device
         output, row_bytes = _rows_like(tensor, sum(rows), target)
@@ -263,18 +273,15 @@ class Allgather(_OneKind):
         finish(entry, output.to(tensor.device))
 
 
-class Broadcast(_OneKind):
+class Broadcast(_OneTensor):
     """Copies the root member's tensor to every member (``root_rank`` is a global rank)."""
 
     kind = RequestType.BROADCAST
 
-    def execute(self, run: Run) -> None:
-        entry = run.entry
-        if entry is None or entry.tensor is None:
-            return
-        output = entry.output if entry.output is not None else entry.tensor
-        if output is not entry.tensor:
-            output.copy_(entry.tensor)
+    def execute_one(self, run: Run, entry: Entry, tensor: torch.Tensor) -> None:
+        output = entry.output if entry.output is not None else tensor
+        if output is not tensor:
+            output.copy_(tensor)
         target = run.comm.device
         work = output if output.device == target else output.to(target)
         run.comm.broadcast(as_bytes(work), run.members.index(run.head.template().root_rank))
@@ -283,20 +290,16 @@ class Broadcast(_OneKind):
         finish(entry, output)
 
 
-class Alltoall(_OneKind):
+class Alltoall(_OneTensor):
     """Sends each member its rows (``splits``, or equal parts) and gathers what they send."""
 
     kind = RequestType.ALLTOALL
 
-    def execute(self, run: Run) -> None:
-        entry = run.entry
-        if entry is None or entry.tensor is None:
-            return
+    def execute_one(self, run: Run, entry: Entry, tensor: torch.Tensor) -> None:
         requests = run.head.requests[0]
         members = run.members
         rank = run.context.rank
         me = members.index(rank)
-        tensor = entry.tensor
 
         def splits_of(rank: int) -> Sequence[int]:
             req = requests[rank]
@@ -319,18 +322,14 @@ class Alltoall(_OneKind):
         finish(entry, (output.to(tensor.device), received))
 
 
-class Reducescatter(_OneKind):
+class Reducescatter(_OneTensor):
     """Reduces across members, then gives each its rows of dimension 0 (the first
     ``rows % members`` members get one more)."""
 
     kind = RequestType.REDUCESCATTER
 
-    def execute(self, run: Run) -> None:
-        entry = run.entry
-        if entry is None or entry.tensor is None:
-            return
+    def execute_one(self, run: Run, entry: Entry, tensor: torch.Tensor) -> None:
         request = run.head.template()
-        tensor = entry.tensor
         count = len(run.members)
         first = tensor.shape[0]
         rows = [first // count + (1 if i < first % count else 0) for i in range(count)]
