@@ -112,6 +112,51 @@ def test_a_long_mixed_run_gives_the_full_paths_bits() -> None:
     assert all(r["inline"] > 3000 for r in fast), fast
 
 
+def _counted() -> dict[str, Any]:
+    """What live metrics count for a few synchronous calls: allreduces of two sizes, a
+    grouped allreduce and a broadcast."""
+    import torch
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.init()
+    counters = basics.engine().counters
+    hvd.barrier()
+    before, _ = counters.take()
+    inline_before = _inline_calls()
+    hvd.allreduce(torch.ones(10), name="small")
+    hvd.allreduce(torch.ones(300_000, dtype=torch.float64), name="large", op=hvd.Sum)
+    hvd.grouped_allreduce([torch.ones(3), torch.ones(5), torch.ones(7)], name="group")
+    hvd.broadcast(torch.ones(4), root_rank=0, name="bcast")
+    after, intervals = counters.take()
+    inline = _inline_calls() - inline_before
+    hvd.shutdown()
+    return {
+        "batches": after.batches - before.batches,
+        "tensors": after.tensors - before.tensors,
+        "bytes": after.reduced_bytes - before.reduced_bytes,
+        "intervals": len(intervals),
+        "inline": inline,
+    }
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_live_metrics_count_fast_path_calls_as_the_engine_counts_them(np: int) -> None:
+    fast = run_job(_counted, np, env=FAST)
+    full = run_job(_counted, np, env=FULL_PATH)
+    expected_bytes = 10 * 4 + 300_000 * 8 + 15 * 4
+    for counted in fast + full:
+        assert counted["bytes"] == expected_bytes, counted
+        assert counted["tensors"] == 1 + 1 + 3 + 1, counted
+    # A call that waited too long for a peer (a loaded machine) goes to the engine, which
+    # counts it as a batch of its own.
+    assert all(r["inline"] >= 1 for r in fast), fast
+    assert all(r["batches"] == 4 for r in fast if r["inline"] == 4), fast
+    assert all(r["intervals"] >= r["inline"] for r in fast), fast
+    assert all(r["inline"] == 0 for r in full), full
+
+
 def _mismatches() -> dict[str, Any]:
     import torch
 

@@ -7,7 +7,8 @@ directly). A synchronous allreduce (grouped or not) or broadcast of CPU tensors,
 also signs its number with its signature (its kind, name, each tensor's dtype, shape and
 device, its reduction, scale factors and root). When every member signed the same signature
 for that number, each member runs the call on its own thread: no queue, no engine thread, no
-negotiation round, and the result is in before the call returns (its handle is done).
+negotiation round, and the result is in before the call returns (its handle is done). Live
+metrics count such a call as one collective, as the engine counts a batch.
 Otherwise, one decision for all members sends every member's call to the engine, whose
 negotiation runs it, or finds the mismatch and reports it as it always does.
 
@@ -77,6 +78,7 @@ def run(
             job as it would for a failed collective).
     """
     signature = _signature(engine, kind, name, tensors, fields, members)
+    issued = engine.counters.now()
     with lane.lock:
         if signature is None or not isinstance(lane, Lane):
             lane.post()
@@ -101,6 +103,13 @@ def run(
             raise HoraInternalError(engine.caller_failed(str(exc))) from None
     if not ran:
         return None
+    reduced = sum(t.numel() * t.element_size() for t in tensors)
+    engine.counters.collective(
+        issued,
+        engine.counters.now(),
+        reduced if kind == RequestType.ALLREDUCE else 0,
+        len(tensors),
+    )
     handle = engine.handle(max(len(tensors), 1), kind, grouped)
     if tensors:
         for index, (tensor, output) in enumerate(zip(tensors, outputs)):
