@@ -40,10 +40,16 @@ from hora.common.build_info import (
     rocm_built,
 )
 from hora.common.ops.collectives import Adasum, Average, Max, Min, Product, Sum
-from hora.common.process_sets import ProcessSet, global_process_set
+from hora.common.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+
+# lifecycle loads hora.common.startup.registration, which gives process_sets' add_process_set
+# and remove_process_set the session they register in.
 from hora.common.startup.lifecycle import init, shutdown
-from hora.common.startup.registration import register_process_set as add_process_set
-from hora.common.startup.registration import unregister_process_set as remove_process_set
 from hora.common.startup.timeline import start_timeline, stop_timeline
 from hora.common.vocabulary.errors import (
     HoraInternalError,

@@ -209,8 +209,40 @@ class ProcessSetTable:
 
 
 # Horovod's horovod.common.process_sets also holds add_process_set and remove_process_set. They
-# register sets through the running session, which stands on this module, so they are
-# hora.common.startup.registration's: that module hands them to this one when it loads (every
-# framework adapter and hvd.init load it), and this module imports nothing of it.
-add_process_set: Callable[[ProcessSet | list[int]], ProcessSet]
-remove_process_set: Callable[[ProcessSet], bool]
+# register sets through the running session, which stands on this module, so the work is
+# hora.common.startup.registration's: that module hands its two functions to this one when it
+# loads (every framework adapter and hvd.init load it), and this module imports nothing of it.
+# Until then (a script that imports this module first, as Horovod's scripts may), a call has no
+# session to register in.
+_registration: (
+    tuple[Callable[[ProcessSet | list[int]], ProcessSet], Callable[[ProcessSet], bool]] | None
+) = None
+
+
+def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
+    """Add a process set on every rank (collective: all ranks call it in the same order);
+    Horovod's ``add_process_set``.
+
+    Args:
+        process_set: a ``ProcessSet`` or a list of global ranks.
+
+    Raises:
+        ValueError: hora is not initialized, dynamic process sets are off, the set is there
+            already, or it names ranks outside the job.
+    """
+    if _registration is None:
+        raise ValueError(NOT_INITIALIZED)
+    return _registration[0](process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Remove a process set on every rank (collective); whether it was registered. Horovod's
+    ``remove_process_set``.
+
+    Raises:
+        ValueError: hora is not initialized, dynamic process sets are off, or ``process_set``
+            is the global set.
+    """
+    if _registration is None:
+        raise ValueError(NOT_INITIALIZED)
+    return _registration[1](process_set)

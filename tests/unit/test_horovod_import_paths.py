@@ -198,6 +198,26 @@ def test_common_process_sets_holds_horovods_names() -> None:
         process_sets.add_process_sets  # noqa: B018 - the lookup is the test
 
 
+def test_common_process_sets_imports_first_and_asks_for_init() -> None:
+    """A script may import Horovod's process-set functions before any framework module: the
+    import works, and a call before ``hvd.init()`` says what to do."""
+    code = (
+        "from hora.common.process_sets import add_process_set, remove_process_set\n"
+        "import sys\n"
+        "assert 'hora.common.startup.registration' not in sys.modules\n"
+        "for call in (lambda: add_process_set([0]), lambda: remove_process_set(None)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as exc:\n"
+        "        print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [errors.NOT_INITIALIZED] * 2
+
+
 # ---------------------------------------------------------------- hora.torch.mpi_ops
 
 

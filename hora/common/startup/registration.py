@@ -163,6 +163,5 @@ def unregister_process_set(process_set: ProcessSet) -> bool:
 
 
 # Horovod's horovod.common.process_sets holds these two under its own names: hora's module of
-# that path declares them, and they are set here, where the session they need is known.
-horovod_process_sets.add_process_set = register_process_set
-horovod_process_sets.remove_process_set = unregister_process_set
+# that path calls them once this module is loaded, where the session they need is known.
+horovod_process_sets._registration = (register_process_set, unregister_process_set)
