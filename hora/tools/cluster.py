@@ -122,16 +122,28 @@ def remove_stale() -> list[str]:
     return removed + sweep()
 
 
-def _free_subnet() -> str:
+def free_subnet(first_two: str = "10.78") -> str:
+    """A ``first_two.X`` /24 prefix that no interface of this machine (or of a network
+    namespace that shares its view) has an address in, e.g. ``"10.78.17"``; tried from a point
+    that depends on this process, so that two runs at once start apart.
+
+    Raises:
+        ClusterError: every such subnet is taken.
+    """
     used = {line.split()[3] for line in _run(["ip", "-o", "-4", "addr"]).stdout.splitlines()}
     for offset in range(250):
         third = (os.getpid() + offset) % 250 + 1
-        if not any(address.startswith(f"10.78.{third}.") for address in used):
-            return f"10.78.{third}"
-    raise ClusterError("no free 10.78.X.0/24 subnet for the emulated hosts")
+        if not any(address.startswith(f"{first_two}.{third}.") for address in used):
+            return f"{first_two}.{third}"
+    raise ClusterError(f"no free {first_two}.X.0/24 subnet for the emulated hosts")
 
 
-def _wait_for_port(address: str, port: int, timeout_s: float) -> None:
+def wait_for_port(address: str, port: int, timeout_s: float) -> None:
+    """Return once ``address:port`` accepts a TCP connection (an sshd that started).
+
+    Raises:
+        ClusterError: it did not within ``timeout_s``.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -139,7 +151,9 @@ def _wait_for_port(address: str, port: int, timeout_s: float) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise ClusterError(f"sshd on {address} did not start in {timeout_s:g} s") from None
+                raise ClusterError(
+                    f"nothing listens on {address}:{port} after {timeout_s:g} s"
+                ) from None
             time.sleep(0.02)
 
 
@@ -197,7 +211,7 @@ class Cluster:
         return cluster
 
     def _build(self, hosts: int, number: int) -> None:
-        prefix = _free_subnet()
+        prefix = free_subnet()
         self.launcher = f"{prefix}.1"
         self.addresses = [f"{prefix}.{2 + i}" for i in range(hosts)]
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
@@ -207,7 +221,7 @@ class Cluster:
         for index, address in enumerate(self.addresses):
             self._add_host(index, address, number)
         for address in self.addresses:
-            _wait_for_port(address, 22, timeout_s=10)
+            wait_for_port(address, 22, timeout_s=10)
 
     def _make_keys(self) -> None:
         self.keys.mkdir(parents=True, exist_ok=True)

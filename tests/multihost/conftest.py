@@ -19,15 +19,15 @@ import itertools
 import os
 import re
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
+
+from hora.tools.cluster import free_subnet, wait_for_port
 
 NETNS_DIR = Path("/etc/netns")
 
@@ -72,32 +72,6 @@ def _delete_namespace(name: str) -> None:
             pass
     _ip("netns", "del", name, check=False)
     shutil.rmtree(NETNS_DIR / name, ignore_errors=True)
-
-
-def _free_subnet() -> int:
-    used = {
-        entry.address
-        for entries in psutil.net_if_addrs().values()
-        for entry in entries
-        if entry.family == socket.AF_INET
-    }
-    for offset in range(200):
-        third = 20 + (os.getpid() + offset) % 200
-        if not any(a.startswith(f"10.77.{third}.") for a in used):
-            return third
-    raise RuntimeError("no free 10.77.x.0/24 subnet for the test hosts")
-
-
-def _wait_for_port(address: str, port: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((address, port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 @dataclass
@@ -148,8 +122,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     host_key = " ".join((keys / "host_key.pub").read_text().split()[:2])
     os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
 
-    third = _free_subnet()
-    prefix = f"10.77.{third}"
+    prefix = free_subnet("10.77")
     cluster = Cluster(
         bridge=bridge,
         launcher=f"{prefix}.1",
@@ -213,7 +186,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 )  # fmt: skip
             )
         for address in cluster.hosts:
-            _wait_for_port(address, 22, timeout_s=15)
+            wait_for_port(address, 22, timeout_s=15)
         yield cluster
     finally:
         for daemon in daemons:
