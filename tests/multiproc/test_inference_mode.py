@@ -1,5 +1,6 @@
 """Collectives on tensors made under ``torch.inference_mode()`` (as in PyTorch Lightning's
-validation and test loops) return results instead of stopping the engine."""
+validation and test loops) return results instead of stopping the engine, on the engine's path
+and on the fast path (``HORA_FAST_PATH``), which writes results on the caller's thread."""
 
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ def _inference_worker() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("fast_path", ["0", "1"], ids=["engine", "fast-path"])
 @pytest.mark.parametrize("np", [2, 3])
-def test_inference_tensors_are_reduced(np: int) -> None:
+def test_inference_tensors_are_reduced(np: int, fast_path: str) -> None:
     total = sum(range(1, np + 1))
-    for result in run_job(_inference_worker, np):
+    for result in run_job(_inference_worker, np, env={"HORA_FAST_PATH": fast_path}):
         assert result == {
             "allreduce": [float(total)] * 4,
             "average": [total / np] * 4,

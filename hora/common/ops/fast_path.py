@@ -79,7 +79,9 @@ def run(
     """
     signature = _signature(engine, kind, name, tensors, fields, members)
     issued = engine.counters.now()
-    with lane.lock:
+    # As the engine runs the transport: in inference mode, so that an inference tensor's
+    # in-place call may write it here too.
+    with lane.lock, torch.inference_mode():
         if signature is None or not isinstance(lane, Lane):
             lane.post()
             return None
