@@ -314,7 +314,9 @@ def _holding_worker() -> dict[str, Any]:
             events.clear()
             if len(steps) == deviate_at:
                 # Something the schedule does not predict: negotiation, then a new schedule.
-                hvd.allreduce(torch.ones(1), name=f"deviation.{case}")
+                # (Asynchronous, so that the engine runs it: a synchronous call runs on the
+                # caller's thread, on the fast path, and the engine never sees it.)
+                hvd.synchronize(hvd.allreduce_async(torch.ones(1), name=f"deviation.{case}"))
 
         steps.clear()
         # Plain SGD: with momentum, 12 steps of this wide model (two passes summed) blow up.
@@ -362,9 +364,10 @@ def _holding_worker() -> dict[str, Any]:
     out["unused"] = _largest_difference(model, plain)
     out["unused_steady"] = engine.schedule is not None
 
-    # Two backward passes a step with a synchronous allreduce in between (a metric), all in one
-    # batch: the thread submits the gradients it holds before it waits, so the engine sees the
-    # wait after the first pass's gradients, cuts the batch there and stays in the steady state.
+    # Two backward passes a step with a wait for an engine result in between (a metric), all in
+    # one batch: the thread submits the gradients it holds before it waits, so the engine sees
+    # the wait after the first pass's gradients, cuts the batch there and stays in the steady
+    # state. (A synchronous allreduce runs on the fast path, where the engine does not see it.)
     torch.manual_seed(1)
     two = torch.nn.ModuleDict({k: torch.nn.Linear(6, 4) for k in ("a", "b")})
     plain = copy.deepcopy(two)
@@ -380,7 +383,7 @@ def _holding_worker() -> dict[str, Any]:
             first = net["a"](x).pow(2).mean()
             first.backward()
             if net is two:
-                hvd.allreduce(first.detach(), name="metric")
+                hvd.synchronize(hvd.allreduce_async(first.detach(), name="metric"))
             net["b"](x).pow(2).mean().backward()
             opt.step()
     out["metric"] = _largest_difference(two, plain)
