@@ -211,11 +211,16 @@ def test_common_process_sets_imports_first_and_asks_for_init() -> None:
         "    except ValueError as exc:\n"
         "        print(exc)\n"
     )
+    assert _in_a_fresh_interpreter(code).splitlines() == [errors.NOT_INITIALIZED] * 2
+
+
+def _in_a_fresh_interpreter(code: str) -> str:
+    """What ``code`` prints, run by a new Python (which has imported nothing of hora)."""
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [errors.NOT_INITIALIZED] * 2
+    return done.stdout
 
 
 # ---------------------------------------------------------------- hora.torch.mpi_ops
@@ -245,11 +250,11 @@ def test_mpi_ops_is_an_attribute_of_hora_torch_without_importing_it() -> None:
         "print(hvd.mpi_ops.__name__, hvd.mpi_ops.HorovodAllreduce.__name__,"
         " hvd.mpi_ops is sys.modules['hora.torch.mpi_ops'])"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["hora.torch.mpi_ops", "HorovodAllreduce", "True"]
+    assert _in_a_fresh_interpreter(code).split() == [
+        "hora.torch.mpi_ops",
+        "HorovodAllreduce",
+        "True",
+    ]
 
 
 def test_hora_torch_still_refuses_unknown_names() -> None:
