@@ -150,9 +150,10 @@ def test_live_metrics_count_fast_path_calls_as_the_engine_counts_them(np: int) -
         assert counted["bytes"] == expected_bytes, counted
         assert counted["tensors"] == 1 + 1 + 3 + 1, counted
     # A call that waited too long for a peer (a loaded machine) goes to the engine, which
-    # counts it as a batch of its own.
+    # counts it as a batch of its own; so may the barrier before them, if the engine's thread
+    # counts it after the barrier returned. Each call counts once at least.
     assert all(r["inline"] >= 1 for r in fast), fast
-    assert all(r["batches"] == 4 for r in fast if r["inline"] == 4), fast
+    assert all(r["batches"] >= 4 for r in fast), fast
     assert all(r["intervals"] >= r["inline"] for r in fast), fast
     assert all(r["inline"] == 0 for r in full), full
 
