@@ -112,10 +112,12 @@ def _connect(
     With ``give_up``, the group connects in a thread of its own while this one asks
     ``give_up`` every :data:`GIVE_UP_CHECK_S`. Gloo's store reads end early through the store's
     own check, but a peer that died after it published its address keeps Gloo retrying the
-    connection in C++, out of the store's reach, for the whole timeout; a reason ends the wait
-    here, and the thread is left to end at that timeout (the GIL is free while it waits). It is
-    not a daemon thread: a process that ends sooner waits for it at exit, since a thread that
-    leaves C++ while the interpreter is finalizing aborts the process.
+    connection in C++, out of the store's reach; a reason ends the wait here, and the thread is
+    left behind (the GIL is free while it waits). It is a daemon thread: Gloo's side that
+    listens for a dead peer waits five times its timeout (150 s by default), and a process that
+    finished its work must not wait that out at exit. The cost is a narrow window: a thread that
+    leaves C++ while the interpreter is finalizing aborts the process, so a job whose last
+    milliseconds meet the end of that wait exits with SIGABRT instead of its status.
 
     Raises:
         RuntimeError: Gloo's error, or the reason to give up.
@@ -132,7 +134,7 @@ def _connect(
         except BaseException as exc:  # handed to the waiting thread
             errors.append(exc)
 
-    thread = threading.Thread(target=connect, name="hora-gloo-connect")
+    thread = threading.Thread(target=connect, name="hora-gloo-connect", daemon=True)
     thread.start()
     while True:
         thread.join(GIVE_UP_CHECK_S)
