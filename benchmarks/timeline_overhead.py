@@ -11,6 +11,10 @@ blocks of steps alternately without and with a timeline (``hvd.start_timeline`` 
 ``hvd.stop_timeline`` after it), so that drift in the machine's load falls on both alike. A step's
 time is the slowest rank's; the table shows medians and the overhead ``with / without - 1``.
 Goal: under 5 %.
+
+``calls`` is not a model: a step of it is :data:`CALLS` synchronous 1 KiB allreduces, the calls
+that the fast path (``HORA_FAST_PATH=1``) runs on the caller's thread, so that its rows price
+what the timeline adds to a call that takes tens of microseconds.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,6 +35,7 @@ import harness
 import training
 
 GOAL = 0.05
+CALLS = 50
 RAW_PREFIX = "timeline-overhead-raw"
 
 
@@ -37,7 +43,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, default=2, help="workers (default 2)")
     parser.add_argument(
-        "--models", nargs="+", choices=sorted(training.MODELS), default=sorted(training.MODELS)
+        "--models",
+        nargs="+",
+        choices=[*sorted(training.MODELS), "calls"],
+        default=sorted(training.MODELS),
     )
     parser.add_argument("--steps", type=int, default=80, help="timed steps per setting")
     parser.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
@@ -51,11 +60,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def calls_step() -> Callable[[], float]:
+    """A step of :data:`CALLS` synchronous 1 KiB allreduces, each under its own name."""
+    import hora.torch as hvd
+
+    tensor = torch.ones(256)
+
+    def step() -> float:
+        start = time.perf_counter()
+        for index in range(CALLS):
+            hvd.allreduce(tensor, name=f"call.{index}", op=hvd.Sum)
+        return time.perf_counter() - start
+
+    return step
+
+
 def bench_model(name: str, args: argparse.Namespace, directory: str) -> tuple[float, float, int]:
     """Median step (s) without and with a timeline, and the timeline's size in bytes."""
     import hora.torch as hvd
 
-    step = training.hora_step(training.MODELS[name], args.batch_size)
+    step = (
+        calls_step()
+        if name == "calls"
+        else training.hora_step(training.MODELS[name], args.batch_size)
+    )
     for _ in range(args.warmup):
         step()
     path = os.path.join(directory, f"{name}.json")

@@ -351,3 +351,60 @@ def test_a_stopped_member_is_waited_for_as_on_the_full_path(np: int) -> None:
         assert observed["result"] == [total, total]
     assert fast[0]["elapsed_s"] >= 3.5, fast[0]
     assert [r["warnings"] for r in fast] == [r["warnings"] for r in full]
+
+
+def _traced(path: str) -> dict[str, Any]:
+    """Calls the lane runs, with a timeline being written."""
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.start_timeline(path)
+    for _ in range(3):
+        hvd.allreduce(torch.ones(1000), name="a", op=hvd.Sum)
+    hvd.grouped_allreduce([torch.ones(3), torch.ones(5)], name="g", op=hvd.Sum)
+    hvd.broadcast(torch.ones(7), root_rank=0, name="b")
+    inline = _inline_calls()
+    hvd.stop_timeline()
+    hvd.shutdown()
+    return {"inline": inline}
+
+
+@pytest.mark.timeout(120)
+def test_a_timeline_shows_the_calls_the_lane_ran(tmp_path: Any) -> None:
+    from hora.tools import timeline
+
+    path = tmp_path / "timeline.json"
+    results = run_job(_traced, 2, str(path), env=FAST)
+    loaded = timeline.load(path)
+    by_rank: dict[int, dict[str, list[Any]]] = {0: {}, 1: {}}
+    for e in loaded.events:
+        if e.ph == "X" and e.tid >= timeline.FIRST_TENSOR_ROW:
+            row = loaded.row_name(e.rank, e.tid)
+            by_rank[e.rank].setdefault(row, []).append(e)
+    for rank, result in enumerate(results):
+        rows = by_rank[rank]
+        inline = [e for events in rows.values() for e in events if e.args.get("path") == "lane"]
+        # Each inline call: NEGOTIATE_<OP> then the collective, on each of its tensors' rows.
+        assert len(inline) == 2 * (result["inline"] + 1), (rank, rows.keys(), result)
+        assert result["inline"] >= 3, result
+        for events in rows.values():
+            for negotiate, collective in zip(events[::2], events[1::2]):
+                if negotiate.args.get("path") != "lane":
+                    continue
+                assert negotiate.name == timeline.NEGOTIATE
+                assert negotiate.end <= collective.ts + 1
+                assert collective.name in ("ALLREDUCE", "BROADCAST")
+                assert collective.args["tensors"] >= 1
+    # The n-th call has the same number on the lane on both ranks.
+    numbers = [
+        sorted(e.args["lane"] for events in by_rank[r].values() for e in events if "lane" in e.args)
+        for r in (0, 1)
+    ]
+    assert numbers[0] == numbers[1] and numbers[0], numbers
+    assert {"allreduce.a", "grouped_allreduce.g_1of2", "broadcast.b"} <= set(by_rank[0])
+    # hora's summary counts them as negotiated calls, and compares them across ranks.
+    summary = timeline.summarize(loaded)
+    assert all(r.negotiated_calls == 6 for r in summary.per_rank), summary
+    assert summary.compared_collectives >= 5, summary

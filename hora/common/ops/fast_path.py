@@ -8,7 +8,8 @@ also signs its number with its signature (its kind, name, each tensor's dtype, s
 device, its reduction, scale factors and root). When every member signed the same signature
 for that number, each member runs the call on its own thread: no queue, no engine thread, no
 negotiation round, and the result is in before the call returns (its handle is done). Live
-metrics count such a call as one collective, as the engine counts a batch.
+metrics count such a call as one collective, as the engine counts a batch; a timeline being
+written shows it on its tensors' rows (:func:`_trace`).
 Otherwise, one decision for all members sends every member's call to the engine, whose
 negotiation runs it, or finds the mismatch and reports it as it always does.
 
@@ -32,7 +33,8 @@ from hora.common.engine.buffers import postscale
 from hora.common.transport import CallerLane, TransportError
 from hora.common.transport.shm_lane import Lane
 from hora.common.vocabulary.errors import HoraInternalError
-from hora.common.vocabulary.message import ReduceOp, RequestType
+from hora.common.vocabulary.message import ReduceOp, RequestType, key_label, make_key
+from hora.common.vocabulary.timeline_writer import Timeline
 
 # Reductions the lane runs (Average is a sum, divided afterwards; Adasum is the engine's).
 _REDUCTIONS = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
@@ -67,7 +69,7 @@ def run(
     outputs: Sequence[torch.Tensor | None],
     grouped: bool,
     fields: Mapping[str, object],
-    members: Sequence[int],
+    set_id: int,
 ) -> Handle | None:
     """Take the call's number on the lane and run it there if every member signed the same
     call; its handle (done), or ``None`` when it goes to the engine (its number taken: the
@@ -77,8 +79,11 @@ def run(
         HoraInternalError: a member was lost, or the wait timed out (the engine fails the
             job as it would for a failed collective).
     """
+    members = engine.process_sets.members(set_id)
     signature = _signature(engine, kind, name, tensors, fields, members)
     issued = engine.counters.now()
+    timeline = engine.timeline
+    times = _Times(timeline) if timeline is not None else None
     # As the engine runs the transport: in inference mode, so that an inference tensor's
     # in-place call may write it here too.
     with lane.lock, torch.inference_mode():
@@ -86,23 +91,10 @@ def run(
             lane.post()
             return None
         try:
-            if kind == RequestType.BARRIER:
-                ran = lane.sign(signature)
-                if ran:
-                    lane.finish()
-            elif kind == RequestType.BROADCAST:
-                root_rank = fields["root_rank"]
-                assert isinstance(root_rank, int)
-                root = members.index(root_rank)
-                flat = tensors[0].view(-1)
-                target = outputs[0] if outputs[0] is not None else tensors[0]
-                ran = lane.sign(signature, flat if lane.rank == root else None)
-                if ran:
-                    lane.broadcast(flat, target.view(-1), root)
-            else:
-                ran = _allreduce(lane, signature, tensors, outputs, fields)
+            ran = _run_signed(lane, signature, kind, tensors, outputs, fields, members, times)
         except TransportError as exc:
             raise HoraInternalError(engine.caller_failed(str(exc))) from None
+        number = lane.number
     if not ran:
         return None
     reduced = sum(t.numel() * t.element_size() for t in tensors)
@@ -112,6 +104,11 @@ def run(
         reduced if kind == RequestType.ALLREDUCE else 0,
         len(tensors),
     )
+    if times is not None:
+        times.done = times.timeline.now()
+        names = [f"{name}_{i + 1}of{len(tensors)}" for i in range(len(tensors))]
+        labels = [key_label(make_key(set_id, n)) for n in (names if grouped else [name])]
+        _trace(times, kind, labels, number, (len(tensors), reduced))
     handle = engine.handle(max(len(tensors), 1), kind, grouped)
     if tensors:
         for index, (tensor, output) in enumerate(zip(tensors, outputs)):
@@ -135,9 +132,72 @@ def _signature(
     intake = engine.intake
     if not intake.running or intake.shutdown_reason is not None or intake.failure is not None:
         return None  # an ended job's calls raise why it ended
-    if engine.timeline is not None:
-        return None  # a timeline records the engine's phases of every call
     return header(kind, name, tensors, fields)
+
+
+def _run_signed(
+    lane: Lane,
+    signature: bytes,
+    kind: RequestType,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    fields: Mapping[str, object],
+    members: Sequence[int],
+    times: _Times | None,
+) -> bool:
+    """Sign the call and, if every member signed the same, run it here."""
+    if kind == RequestType.BARRIER:
+        ran = lane.sign(signature)
+        _settled(times)
+        if ran:
+            lane.finish()
+        return ran
+    if kind == RequestType.BROADCAST:
+        root_rank = fields["root_rank"]
+        assert isinstance(root_rank, int)
+        root = members.index(root_rank)
+        flat = tensors[0].view(-1)
+        target = outputs[0] if outputs[0] is not None else tensors[0]
+        ran = lane.sign(signature, flat if lane.rank == root else None)
+        _settled(times)
+        if ran:
+            lane.broadcast(flat, target.view(-1), root)
+        return ran
+    return _allreduce(lane, signature, tensors, outputs, fields, times)
+
+
+class _Times:
+    """When a call was made, when every member had signed it and when it was done, on the
+    clock of the timeline being written."""
+
+    __slots__ = ("timeline", "called", "settled", "done")
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.called = self.settled = self.done = timeline.now()
+
+
+def _settled(times: _Times | None) -> None:
+    if times is not None:
+        times.settled = times.timeline.now()
+
+
+def _trace(
+    times: _Times, kind: RequestType, labels: Sequence[str], number: int, size: tuple[int, int]
+) -> None:
+    """A call the lane ran, on the row of each of its tensors (of its name, for a barrier):
+    ``NEGOTIATE_<OP>`` from the call to the moment every member had signed it, then the
+    collective, with ``"path": "lane"`` and, instead of a batch, the call's number on the lane
+    (the same call on every member)."""
+    timeline = times.timeline
+    op = kind.name
+    args = f'{{"op":"{op}","path":"lane"}}'
+    tensors, nbytes = size
+    detail = f'{{"lane":{number},"tensors":{tensors},"bytes":{nbytes},"path":"lane"}}'
+    for label in labels:
+        row = timeline.row(label)
+        timeline.complete(row, f"NEGOTIATE_{op}", times.called, times.settled, args)
+        timeline.complete(row, op, times.settled, times.done, detail)
 
 
 def join(lanes: Sequence[CallerLane]) -> None:
@@ -160,6 +220,7 @@ def _allreduce(
     tensors: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor | None],
     fields: Mapping[str, object],
+    times: _Times | None,
 ) -> bool:
     reduce_op, prescale, factor = (
         fields.get(k, 1.0) for k in ("reduce_op", "prescale", "postscale")
@@ -173,7 +234,9 @@ def _allreduce(
     else:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         out = flat
-    if not lane.sign(signature, flat, prescale):
+    ran = lane.sign(signature, flat, prescale)
+    _settled(times)
+    if not ran:
         return False
     op = ReduceOp.SUM if reduce_op == ReduceOp.AVERAGE else reduce_op
     lane.allreduce(flat, out, op, prescale)

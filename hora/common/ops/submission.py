@@ -277,8 +277,7 @@ def submit(
     if lane is not None:
         for tensor in tensors:
             _check_tensor(tensor, kind)
-        members = engine.process_sets.members(set_id)
-        done = fast_path.run(engine, lane, kind, base, tensors, outputs, grouped, fields, members)
+        done = fast_path.run(engine, lane, kind, base, tensors, outputs, grouped, fields, set_id)
         if done is not None:
             return done
     handle = engine.handle(len(tensors), kind, grouped)
@@ -534,9 +533,8 @@ def barrier(process_set: ProcessSet) -> None:
     engine = basics.engine()
     lane = engine.lane(set_id)
     if lane is not None:
-        members = engine.process_sets.members(set_id)
         kind = RequestType.BARRIER
-        if fast_path.run(engine, lane, kind, name, [], [], False, {}, members) is not None:
+        if fast_path.run(engine, lane, kind, name, [], [], False, {}, set_id) is not None:
             return
     _signal(RequestType.BARRIER, name, set_id, posted=lane is not None).wait()
 

@@ -158,6 +158,12 @@ class Lane:
     def describe(self, member: int) -> str:
         return f"rank {self.ranks[member]}"
 
+    @property
+    def number(self) -> int:
+        """The sequence number of this member's last call: the same call on every member,
+        within an epoch."""
+        return self._seq
+
     # ------------------------------------------------------------- posts and decisions
 
     def post(self) -> None:
