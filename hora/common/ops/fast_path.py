@@ -30,6 +30,7 @@ import torch
 
 from hora.common.engine import Engine, Handle
 from hora.common.engine.buffers import postscale
+from hora.common.engine.steady.waits import stalled
 from hora.common.transport import CallerLane, TransportError
 from hora.common.transport.shm_lane import Lane
 from hora.common.vocabulary.errors import HoraInternalError
@@ -93,7 +94,9 @@ def run(
         try:
             ran = _run_signed(lane, signature, kind, tensors, outputs, fields, members, times)
         except TransportError as exc:
-            raise HoraInternalError(engine.caller_failed(str(exc))) from None
+            limit_s = engine.settings.stall_limit_s
+            error = stalled(limit_s, [name], lane.ranks[lane.rank], exc)
+            raise HoraInternalError(engine.caller_failed(str(error))) from None
         number = lane.number
     if not ran:
         return None

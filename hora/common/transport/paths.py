@@ -116,7 +116,8 @@ class PathChooser:
                 self._tell(rank, f"the shared-memory fast path is off ({why})")
             return None
         stall_s = self._settings.stall_check_time_s if self._settings.stall_check_enabled else 0.0
-        return Lane(segment, timeout_s, stall_s)
+        # A call that waits for a stopped member ends the job when a steady-state batch would.
+        return Lane(segment, self._settings.stall_limit_s or timeout_s, stall_s)
 
     def _hierarchical(self, rank: int, grouping: Grouping) -> bool:
         """Whether a set spread over several hosts reduces hierarchically: by default and when

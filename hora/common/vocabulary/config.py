@@ -182,6 +182,16 @@ class Settings:
     deterministic: bool = _setting(table.DETERMINISTIC)
     deterministic_microbatches: int | None = _setting(table.DETERMINISTIC_MICROBATCHES)
 
+    @property
+    def stall_limit_s(self) -> float:
+        """How long a call may wait for its peers before the job ends as stalled:
+        ``HORA_STALL_SHUTDOWN_TIME_SECONDS``, while the stall check is on and that time is not
+        shorter than its check time; 0: no such limit."""
+        limit = self.stall_shutdown_time_s
+        if not self.stall_check_enabled or limit < self.stall_check_time_s:
+            return 0.0
+        return limit
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read every setting from the environment (``HORA_*`` first, then ``HOROVOD_*``).

@@ -30,10 +30,7 @@ logger = logging.getLogger("hora")
 def steady_shutdown_s(settings: Settings) -> float:
     """How long a steady-state batch may wait for its peers before the job ends as stalled
     (``HORA_STALL_SHUTDOWN_TIME_SECONDS``; 0: no such limit)."""
-    shutdown_s = settings.stall_shutdown_time_s
-    if not settings.stall_check_enabled or shutdown_s < settings.stall_check_time_s:
-        return 0.0
-    return shutdown_s
+    return settings.stall_limit_s
 
 
 def steady_batch_timeout_s(settings: Settings) -> float:
@@ -101,14 +98,19 @@ class Waits:
 
     def error(self, batch: list[Request], exc: TransportError) -> TransportError:
         """Name the batch and the limit when a steady-state batch waited past its timeout."""
-        if self._shutdown_s <= 0 or "timed out" not in str(exc).lower():
-            return exc
-        shown = name_list([r.name for r in batch])
-        return TransportError(
-            f"some ranks did not submit {shown} within HORA_STALL_SHUTDOWN_TIME_SECONDS "
-            f"({self._shutdown_s:g} s) while rank {self._rank} waited for them; the job "
-            f"is shut down as stalled ({exc})"
-        )
+        return stalled(self._shutdown_s, [r.name for r in batch], self._rank, exc)
+
+
+def stalled(limit_s: float, names: Sequence[str], rank: int, exc: TransportError) -> TransportError:
+    """``exc``, a wait for ``names`` on ``rank`` that timed out, as a stall that ended the job
+    at ``HORA_STALL_SHUTDOWN_TIME_SECONDS`` (``limit_s``; 0: ``exc`` as it is)."""
+    if limit_s <= 0 or "timed out" not in str(exc).lower():
+        return exc
+    return TransportError(
+        f"some ranks did not submit {name_list(names)} within HORA_STALL_SHUTDOWN_TIME_SECONDS "
+        f"({limit_s:g} s) while rank {rank} waited for them; the job is shut down as stalled "
+        f"({exc})"
+    )
 
 
 def name_list(names: Sequence[str]) -> str:
