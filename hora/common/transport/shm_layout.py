@@ -135,15 +135,24 @@ class Layout:
 
 
 class ArenaPages:
-    """Which bytes of this member's arena are free: first fit, in whole pages."""
+    """Which bytes of this member's arena are free: first fit, in whole pages.
+
+    A block comes back when the last view of it is dropped, by a finalizer that runs on
+    whichever thread drops it, at any allocation of that thread: also inside :meth:`take` or
+    :meth:`give_back` themselves, when the cyclic garbage collector runs there. So giving back
+    never waits for the lock: the block joins a list of returned blocks (one atomic append),
+    and whoever holds the lock next merges that list into the free ranges.
+    """
 
     def __init__(self, nbytes: int) -> None:
         self._free = [(0, nbytes)] if nbytes else []
-        self._lock = threading.Lock()  # given back by whichever thread drops the last view
+        self._returned: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> tuple[int, int] | None:
         size = max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
         with self._lock:
+            self._merge_returned()
             for index, (start, length) in enumerate(self._free):
                 if length >= size:
                     if length == size:
@@ -154,16 +163,28 @@ class ArenaPages:
         return None
 
     def give_back(self, start: int, size: int) -> None:
-        with self._lock:
-            self._free.append((start, size))
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for begin, length in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == begin:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
-                else:
-                    merged.append((begin, length))
-            self._free = merged
+        self._returned.append((start, size))
+        if self._lock.acquire(blocking=False):  # else its holder, maybe this thread, merges
+            try:
+                self._merge_returned()
+            finally:
+                self._lock.release()
+
+    def _merge_returned(self) -> None:
+        """Move the returned blocks into the free ranges (under the lock)."""
+        if not self._returned:
+            return
+        free = list(self._free)
+        while self._returned:
+            free.append(self._returned.pop())
+        free.sort()
+        merged: list[tuple[int, int]] = []
+        for begin, length in free:
+            if merged and merged[-1][0] + merged[-1][1] == begin:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((begin, length))
+        self._free = merged
 
 
 def part(count: int, size: int, member: int) -> tuple[int, int]:
