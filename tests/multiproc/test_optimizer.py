@@ -305,6 +305,7 @@ def _holding_worker() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     steps: list[list[str]] = []
+    steady_after: list[bool] = []
 
     def run(case: str, deviate_at: int | None = None, **options: Any) -> None:
         entered = engine.steady_stats["entered"]
@@ -312,6 +313,9 @@ def _holding_worker() -> dict[str, Any]:
         def observe(model: Any) -> None:
             steps.append(list(events))
             events.clear()
+            # What the next step's first gradient will see: a loaded machine may enter the
+            # steady state a step or two later than a quiet one.
+            steady_after.append(engine.batch_layout is not None)
             if len(steps) == deviate_at:
                 # Something the schedule does not predict: negotiation, then a new schedule.
                 # (Asynchronous, so that the engine runs it: a synchronous call runs on the
@@ -319,9 +323,13 @@ def _holding_worker() -> dict[str, Any]:
                 hvd.synchronize(hvd.allreduce_async(torch.ones(1), name=f"deviation.{case}"))
 
         steps.clear()
+        steady_after.clear()
         # Plain SGD: with momentum, 12 steps of this wide model (two passes summed) blow up.
         out[case] = _train("sgd", hidden=600, prepare=prepare, observe=observe, **options)
-        out[case + "_events"] = steps[-1]
+        # The last step that began in the steady state (not the one its deviation left).
+        held = [i for i in range(1, len(steps)) if steady_after[i - 1] and i != deviate_at]
+        out[case + "_events"] = steps[held[-1]] if held else []
+        out[case + "_steady_after"] = list(steady_after)
         schedule = engine.schedule
         out[case + "_batches"] = [
             [r.name.removeprefix("allreduce.grad.") for r in batch]
@@ -332,7 +340,7 @@ def _holding_worker() -> dict[str, Any]:
 
     run("plain", steps=8)
     run("passes_2", steps=8, passes=2)
-    run("deviation", steps=12, deviate_at=5)
+    run("deviation", steps=16, deviate_at=5)
 
     # A parameter that gets no gradient: its batch is complete only in step(), which submits
     # the held gradients and zeros for it. Every other step the caller also sets every .grad to
@@ -436,7 +444,14 @@ def test_steady_state_gradients_are_submitted_a_batch_at_a_time(np: int) -> None
             assert len(batches) == 2, (rank, case, batches)
             large = {n for n, size in observed["sizes"].items() if size >= _HOLD_BELOW}
             assert large == {"2.weight"}, observed["sizes"]
-            _assert_held_until_batch_complete(observed[case + "_events"], batches, large)
+            said = (
+                f"rank {rank}, {case}, steady after each step: {observed[case + '_steady_after']}"
+            )
+            assert observed[case + "_events"], said  # a step began in the steady state
+            try:
+                _assert_held_until_batch_complete(observed[case + "_events"], batches, large)
+            except AssertionError as exc:
+                raise AssertionError(f"{said}: {exc}") from None
         # The deviation left the steady state; the schedule entered anew holds gradients too.
         assert observed["deviation_entered"] == 2, observed
         assert observed["unused_steady"], observed
