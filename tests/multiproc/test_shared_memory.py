@@ -245,7 +245,9 @@ def _timeline_paths(path: str) -> None:
     hvd.init()
     hvd.start_timeline(path)
     for step in range(3):
-        hvd.allreduce(torch.ones(100_000), name=f"x{step}")
+        # Asynchronous: the engine runs it (a synchronous call may run on the fast path).
+        hvd.synchronize(hvd.allreduce_async(torch.ones(100_000), name=f"x{step}"))
+        hvd.allreduce(torch.ones(10), name=f"s{step}")
         hvd.allgather(torch.ones(3), name=f"g{step}")
     hvd.stop_timeline()
     hvd.shutdown()
@@ -264,6 +266,10 @@ def test_the_timeline_says_which_path_each_collective_took(tmp_path: Path) -> No
         if e.get("ph") == "X" and e["name"] in ("ALLREDUCE", "ALLGATHER")
     }
     assert ("ALLREDUCE", "shm") in paths and ("ALLGATHER", "shm") in paths, paths
+    # The small synchronous allreduces: the lane when the fast path runs them, else carried in
+    # negotiation's exchange.
+    small = {("ALLREDUCE", "lane"), ("ALLREDUCE", "exchange")}
+    assert paths - {("ALLREDUCE", "shm"), ("ALLGATHER", "shm")} <= small, paths
 
 
 def test_wrapping_counters_compare_in_order() -> None:
