@@ -283,6 +283,8 @@ def _flooded_job(control: str) -> dict[str, Any]:
     late = None
     if hvd.rank() in (0, 2):
         late = hvd.allreduce(torch.ones(3), op=hvd.Sum, process_set=subset).tolist()
+    # Rank 1 must not shut the job down while the others' call is still on its way.
+    hvd.barrier()
     hvd.shutdown()
     return {"totals": totals, "late": late}
 
