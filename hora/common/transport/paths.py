@@ -88,7 +88,8 @@ class PathChooser:
             if why:
                 self._tell(rank, f"shared memory is not used ({why}); the ranks exchange over Gloo")
             return self._gloo(scope, rank, size)
-        local = ShmCommunicator(segment, timeout_s)
+        wait_s, limit = self._wait_limit()
+        local = ShmCommunicator(segment, wait_s, limit=limit)
         if not several_hosts:
             if not control and self._settings.fast_path:
                 local.lane = self._lane(scope, grouping, rank)
@@ -116,8 +117,18 @@ class PathChooser:
                 self._tell(rank, f"the shared-memory fast path is off ({why})")
             return None
         stall_s = self._settings.stall_check_time_s if self._settings.stall_check_enabled else 0.0
-        # A call that waits for a stopped member ends the job when a steady-state batch would.
-        return Lane(segment, self._settings.stall_limit_s or timeout_s, stall_s)
+        timeout_s, limit = self._wait_limit()
+        return Lane(segment, timeout_s, stall_s, limit)
+
+    def _wait_limit(self) -> tuple[float, str]:
+        """How long a shared-memory collective waits for a member, and the setting that says
+        so: ``HORA_STALL_SHUTDOWN_TIME_SECONDS`` when it is set (a stopped member then ends the
+        job at that limit, on every path: the lane, negotiation, a batch), else the Gloo
+        timeout."""
+        stall_s = self._settings.stall_limit_s
+        if stall_s > 0:
+            return stall_s, table.STALL_SHUTDOWN_TIME_SECONDS.env
+        return self._settings.gloo_timeout_s, ""
 
     def _hierarchical(self, rank: int, grouping: Grouping) -> bool:
         """Whether a set spread over several hosts reduces hierarchically: by default and when

@@ -87,6 +87,7 @@ class ShmCommunicator:
         segment: the mapped segment (this member's view).
         timeout_s: how long any one operation may wait for its peers.
         describe: how errors name a member (``member 2`` by default), e.g. by global rank.
+        limit: the setting ``timeout_s`` comes from, for messages (``""``: none named).
 
     Attributes:
         rank, size: this member and the number of members.
@@ -101,6 +102,7 @@ class ShmCommunicator:
         segment: Segment,
         timeout_s: float,
         describe: Callable[[int], str] | None = None,
+        limit: str = "",
     ) -> None:
         self.rank = segment.rank
         self.size = segment.size
@@ -108,7 +110,7 @@ class ShmCommunicator:
         self._segment = segment
         describe = describe or (lambda member: f"member {member}")
         self._layout = Layout(segment)
-        self._barriers = Barriers(segment, timeout_s, describe)
+        self._barriers = Barriers(segment, timeout_s, describe, limit)
         self._halves = Halves(segment, self._layout, self._barriers)
         self._through_slots = SlotCollectives(segment, self._layout, self._barriers)
         self._in_arenas = ArenaAllreduce(segment, self._layout, self._barriers, describe)

@@ -26,10 +26,18 @@ class Barriers:
         segment: the mapped segment (this member's view).
         timeout_s: how long any one operation may wait for its peers.
         describe: how errors name a member.
+        limit: the setting ``timeout_s`` comes from, for messages (``""``: none named).
     """
 
-    def __init__(self, segment: Segment, timeout_s: float, describe: Callable[[int], str]) -> None:
+    def __init__(
+        self,
+        segment: Segment,
+        timeout_s: float,
+        describe: Callable[[int], str],
+        limit: str = "",
+    ) -> None:
         self.timeout_s = timeout_s
+        self._limit = f"after {limit} ({timeout_s:g} s)" if limit else f"({timeout_s:g} s)"
         self._segment = segment
         self._describe = describe
         self._others = [m for m in range(segment.size) if m != segment.rank]
@@ -84,7 +92,7 @@ class Barriers:
         except WaitTimeout as exc:
             raise TransportError(
                 f"timed out waiting for {self._shown(exc)} in a shared-memory collective "
-                f"({self.timeout_s:g} s)"
+                f"{self._limit}"
             ) from None
         except Aborted:
             raise TransportError("the communicator was aborted") from None

@@ -112,6 +112,7 @@ class Lane:
         segment: the lane's mapped segment (this member's view), of :data:`SLOT_BYTES` slots.
         timeout_s: how long the data phase may wait for its peers before it fails.
         stall_s: after how long a wait logs the members it still waits for (0: never).
+        limit: the setting ``timeout_s`` comes from, for messages (``""``: none named).
 
     Attributes:
         rank, size: this member and the number of members.
@@ -121,13 +122,13 @@ class Lane:
         lock: held through a call (one call at a time per process on a set).
     """
 
-    def __init__(self, segment: Segment, timeout_s: float, stall_s: float) -> None:
+    def __init__(self, segment: Segment, timeout_s: float, stall_s: float, limit: str = "") -> None:
         self.rank = segment.rank
         self.size = segment.size
         self.ranks: Sequence[int] = range(self.size)
         self._segment = segment
         self._layout = Layout(segment)
-        self._barriers = Barriers(segment, timeout_s, self.describe)
+        self._barriers = Barriers(segment, timeout_s, self.describe, limit)
         self._timeout_s = timeout_s
         self._stall_s = stall_s
         self._others = [m for m in range(self.size) if m != self.rank]
