@@ -13,7 +13,7 @@ Four commands, each timed from start to the exit of the launcher (wall clock):
 4. ``torchrun --standalone --nproc-per-node N --no-python python -c pass``.
 
 Both launchers run as ``python -m`` with this interpreter, and both workers get
-``OMP_NUM_THREADS=1`` (torchrun sets it when unset; horarun does not), so they start the same
+``OMP_NUM_THREADS=1`` (both set it when unset, horarun to the cores per worker), so they start the same
 Python with the same environment. Repetitions alternate between hora and torchrun so that
 changes in the machine's load hit both alike; the table shows medians and the ratio
 hora/torchrun against the goal of at most 1.0x.

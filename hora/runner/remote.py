@@ -224,6 +224,7 @@ def stdin_payload(
         "grace_s": grace_s,
         "label": _worker_label(env),
         "interface": _interface_rule(env),
+        "threads": _threads_rule(env),
     }
     if launcher_timeout_s is not None:
         job["launcher_timeout_s"] = launcher_timeout_s
@@ -248,6 +249,19 @@ def _interface_rule(env: dict[str, str]) -> dict[str, Any]:
         "towards": env.get(table.RENDEZVOUS_ADDR.env, ""),
         "set": table.GLOO_IFACE.env,
         "unless": [*table.GLOO_IFACE.environ_names, "GLOO_SOCKET_IFNAME"],
+    }
+
+
+def _threads_rule(env: dict[str, str]) -> dict[str, Any]:
+    """How many threads each worker's OpenMP (PyTorch's intra-op pool) starts: unless ``set``
+    is in the worker's environment, the cores its host lets it run on, shared among the
+    ``local_size`` workers there (at least one each), as torchrun does. Without it, each of N
+    workers on N cores starts N threads, and they crowd each other out: a 1 MiB tensor copy
+    took 7 ms instead of 43 us at 2 workers on 2 cores."""
+    local_size = env.get(table.LOCAL_SIZE.env, "")
+    return {
+        "set": "OMP_NUM_THREADS",
+        "local_size": int(local_size) if local_size.isdigit() else 0,
     }
 
 

@@ -310,6 +310,21 @@ def _choose_interface(env: dict[str, str], rule: dict[str, Any]) -> None:
         env[str(rule["set"])] = interface
 
 
+def _share_cores(env: dict[str, str], rule: dict[str, Any]) -> None:
+    """Unless ``rule["set"]`` (``OMP_NUM_THREADS``) is in ``env``, set it to this host's cores
+    (those this process may run on) shared among the host's ``rule["local_size"]`` workers,
+    at least one each (``local_size`` 0: unknown, nothing set)."""
+    name = str(rule.get("set", ""))
+    local_size = int(rule.get("local_size", 0))
+    if not name or local_size < 1 or env.get(name):
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    env[name] = str(max(1, cores // local_size))
+
+
 def run(job: dict[str, Any], stdin_fd: int) -> int:
     """Start the job's worker and watch it; returns the exit status for SSH to report."""
     host = str(job.get("host", socket.gethostname()))
@@ -329,6 +344,7 @@ def run(job: dict[str, Any], stdin_fd: int) -> int:
         )
         return 126
     _choose_interface(env, job.get("interface") or {})
+    _share_cores(env, job.get("threads") or {})
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):

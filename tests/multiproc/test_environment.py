@@ -140,3 +140,28 @@ def test_horovods_dynamic_timeline_waits_for_start_timeline(tmp_path: Path) -> N
 
     assert [seen["written_at_init"] for seen in ranks] == [[], []]
     assert "allreduce.during" in (tmp_path / "timeline.json").read_text()
+
+
+def _threads() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    return {"env": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_workers_share_the_hosts_cores_unless_omp_num_threads_is_set(np: int) -> None:
+    """As torchrun does: each of a host's workers gets its share of the cores for PyTorch's
+    intra-op threads (at least one), unless the job's environment says otherwise."""
+    import os
+
+    import hora
+
+    cores = len(os.sched_getaffinity(0))
+    share = str(max(1, cores // np))
+    shared = hora.run(_threads, np=np, env={"OMP_NUM_THREADS": None}, timeout_s=80)
+    assert shared == [{"env": share, "torch": int(share)}] * np
+    chosen = run_job(_threads, np, env={"OMP_NUM_THREADS": "2"})
+    assert chosen == [{"env": "2", "torch": 2}] * np

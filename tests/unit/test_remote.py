@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 
+from hora.runner import watchdog
 from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
 from hora.runner.watchdog import read_job
 
@@ -44,5 +46,25 @@ def test_the_secret_travels_on_stdin_not_on_the_command_line() -> None:
             "set": "HORA_GLOO_IFACE",
             "unless": ["HORA_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME"],
         },
+        # No HORA_LOCAL_SIZE in env: the watchdog cannot share the cores, and leaves them.
+        "threads": {"set": "OMP_NUM_THREADS", "local_size": 0},
     }
     assert "exec(compile(" in LOADER
+
+
+def test_the_watchdog_shares_the_hosts_cores_unless_the_job_chose() -> None:
+    cores = len(os.sched_getaffinity(0))
+    rule = {"set": "OMP_NUM_THREADS", "local_size": 2}
+    env: dict[str, str] = {}
+    watchdog._share_cores(env, rule)
+    assert env == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+    many = {"set": "OMP_NUM_THREADS", "local_size": cores * 4}
+    env = {}
+    watchdog._share_cores(env, many)
+    assert env == {"OMP_NUM_THREADS": "1"}  # at least one thread each
+    chosen = {"OMP_NUM_THREADS": "6"}
+    watchdog._share_cores(chosen, rule)
+    assert chosen == {"OMP_NUM_THREADS": "6"}
+    unknown: dict[str, str] = {}
+    watchdog._share_cores(unknown, {"set": "OMP_NUM_THREADS", "local_size": 0})
+    assert unknown == {}

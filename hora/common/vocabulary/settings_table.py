@@ -415,13 +415,13 @@ SHARED_MEMORY = Variable(
 FAST_PATH = Variable(
     "FAST_PATH",
     BOOLEAN,
-    False,
-    "`1`: a synchronous allreduce (grouped or not), broadcast or barrier of CPU tensors on a "
-    "process set whose ranks all share one host runs on the calling thread, straight on shared "
-    "memory, when every rank of the set makes the same call at the same place in its sequence "
-    "of calls on the set; any other call, or a call some rank makes differently, goes through "
-    "the engine as before. `0` (the default): every call goes through the engine. Off by "
-    "default while it is slower than the engine on busy or oversubscribed cores; see "
+    True,
+    "`1` (the default): a synchronous allreduce (grouped or not), broadcast or barrier of CPU "
+    "tensors on a process set whose ranks all share one host runs on the calling thread, "
+    "straight on shared memory, when every rank of the set makes the same call at the same "
+    "place in its sequence of calls on the set; any other call, or a call some rank makes "
+    "differently, goes through the engine. `0`: every call goes through the engine (to "
+    "compare, or to rule the fast path out); see "
     "[docs/engine.md](engine.md#the-fast-path-synchronous-calls-on-the-callers-thread). "
     f"{_SAME_ON_EVERY_RANK}",
     horovod=False,
