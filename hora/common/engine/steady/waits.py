@@ -27,16 +27,10 @@ from hora.common.vocabulary.message import Request
 logger = logging.getLogger("hora")
 
 
-def steady_shutdown_s(settings: Settings) -> float:
-    """How long a steady-state batch may wait for its peers before the job ends as stalled
-    (``HORA_STALL_SHUTDOWN_TIME_SECONDS``; 0: no such limit)."""
-    return settings.stall_limit_s
-
-
 def steady_batch_timeout_s(settings: Settings) -> float:
     """The time limit a steady-state batch's allreduce is started with (the longest limit of
     any operation the engine starts)."""
-    shutdown_s = steady_shutdown_s(settings)
+    shutdown_s = settings.stall_limit_s
     return shutdown_s if shutdown_s > 0 else PARKED_WAIT_S
 
 
@@ -59,7 +53,7 @@ class Waits:
         self._rank = rank
         self._store = store
         self._keys = keys
-        self._shutdown_s = steady_shutdown_s(settings)
+        self._shutdown_s = settings.stall_limit_s
         self.batch_timeout_s = steady_batch_timeout_s(settings)
         self.stall_after_s = settings.stall_check_time_s if settings.stall_check_enabled else 0.0
 
