@@ -8,6 +8,7 @@ the ``TorchStore`` over one (what a worker's process groups use).
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hora.common.job import store_protocol, store_service
+from hora.common.job.store import new_secret, start_store_server
 from hora.common.job.store_connection import StoreConnection
 from hora.common.job.store_protocol import (
     StoreAuthenticationError,
@@ -408,3 +410,37 @@ def test_a_worker_that_vanishes_is_not_reported_as_a_store_problem(
     assert lost and all(r.levelname == "DEBUG" for r in lost)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert _client(server).get("before") == b"1"
+
+
+@pytest.mark.timeout(30)
+def test_a_named_port_held_for_a_moment_is_tried_again() -> None:
+    """A port every rank derives from the job id can be the local port of someone's outgoing
+    connection for a moment; the store waits it out instead of failing the job."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))  # bound without SO_REUSEADDR: a bind to it fails meanwhile
+    port = holder.getsockname()[1]
+    threading.Timer(0.5, holder.close).start()
+    started = time.monotonic()
+    server, bound = start_store_server("127.0.0.1", port, new_secret(), busy_wait_s=10)
+    try:
+        assert bound == port
+        assert 0.4 < time.monotonic() - started < 10
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_named_port_another_server_keeps_is_reported_after_the_wait() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError) as caught:
+            start_store_server(
+                "127.0.0.1", listener.getsockname()[1], new_secret(), busy_wait_s=0.5
+            )
+        assert caught.value.errno == errno.EADDRINUSE
+        assert 0.5 <= time.monotonic() - started < 5
+    finally:
+        listener.close()

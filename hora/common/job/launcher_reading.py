@@ -24,9 +24,10 @@ from hora.common.vocabulary.config import raw
 
 # torch.distributed's default store port (``MASTER_PORT``'s usual value).
 TORCH_DEFAULT_PORT = 29500
-# Ports derived from a job id fall in this range, as Lightning and submitit do.
+# Ports derived from a job id fall in this range: below Linux's range for the local ports of
+# outgoing connections (32768-60999 by default), so that no client socket on the host holds one.
 DERIVED_PORT_LOW = 20000
-DERIVED_PORT_HIGH = 60000
+DERIVED_PORT_HIGH = 32768
 
 
 class LauncherError(ValueError):
@@ -119,7 +120,7 @@ def optional_integer_variable(env: Mapping[str, str], name: str, launcher: str) 
 
 
 def derived_port(job_id: str) -> int:
-    """A port in 20000-59999 that every process of a job computes alike from its id."""
+    """A port in 20000-32767 that every process of a job computes alike from its id."""
     digest = int(hashlib.sha256(job_id.encode()).hexdigest(), 16)
     return DERIVED_PORT_LOW + digest % (DERIVED_PORT_HIGH - DERIVED_PORT_LOW)
 

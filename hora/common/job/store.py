@@ -29,9 +29,11 @@ This module knows stores and bytes; it does not know the engine.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -49,6 +51,8 @@ if TYPE_CHECKING:
 TAG_BYTES = 32
 # How long a read waits for a key that was there a moment ago before taking it as deleted.
 _GONE_AFTER_S = 0.05
+# How long a named store port that is in use is tried again (see start_store_server).
+BUSY_PORT_WAIT_S = 5.0
 
 
 class AuthenticationError(RuntimeError):
@@ -169,25 +173,41 @@ def has_mark(store: RawStore, key: str, secret: str) -> bool:
     return True
 
 
-def start_store_server(bind_address: str, port: int, secret: str) -> tuple[StoreServer, int]:
+def start_store_server(
+    bind_address: str, port: int, secret: str, busy_wait_s: float = BUSY_PORT_WAIT_S
+) -> tuple[StoreServer, int]:
     """Start hora's store service (:class:`~hora.common.job.store_service.StoreServer`) listening
     only on ``bind_address``; only holders of ``secret`` can use it.
+
+    A named port that is in use is tried again for up to ``busy_wait_s``: a port every rank
+    derives from the job id can be held for a moment by another program's outgoing connection,
+    which ends on its own; a port another server listens on stays taken, and the error comes
+    after the wait.
 
     Args:
         bind_address: an IP address of this host (``127.0.0.1`` for a job on this host).
         port: the port, or 0 for one chosen by the OS.
         secret: the job secret (hex) every client must prove.
+        busy_wait_s: how long a named port that is in use is tried again.
 
     Returns:
         ``(server, port)``; the server runs until :meth:`StoreServer.close` or process exit.
 
     Raises:
-        OSError: the address is not this host's, or the port is taken.
+        OSError: the address is not this host's, or the port is still taken after the wait.
     """
     from hora.common.job.store_service import StoreServer
 
-    server = StoreServer(bind_address, port, secret)
-    return server, server.port
+    deadline = time.monotonic() + busy_wait_s
+    while True:
+        try:
+            server = StoreServer(bind_address, port, secret)
+        except OSError as exc:
+            if port == 0 or exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        return server, server.port
 
 
 def _torch_distributed() -> ModuleType:
