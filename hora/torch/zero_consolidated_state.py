@@ -24,10 +24,9 @@ from hora.torch import ops
 from hora.torch.zero_state_format import (
     ShardedOptimizerView,
     copy_value,
-    frozen_state,
     is_sharded,
-    options,
     positions,
+    state_dict_of,
 )
 
 
@@ -45,7 +44,6 @@ def consolidated_state_dict(opt: ShardedOptimizerView) -> dict[str, Any]:
     """The whole state in ``torch.optim``'s format, on every rank (a collective): describe
     each rank's entries, gather the sharded ones bucket by bucket, add the values."""
     layout = opt.layout
-    lists = opt.param_lists
     at, _ = positions(opt)
     local = _describe(opt)
     if layout.size > 1:
@@ -67,9 +65,7 @@ def consolidated_state_dict(opt: ShardedOptimizerView) -> dict[str, Any]:
         for key, entry in entries.items():
             if not entry.sharded:
                 state.setdefault(at[index], {})[key] = copy_value(entry.value)
-    state.update(frozen_state(opt, lists))
-    ordered = {position: state[position] for position in sorted(state)}
-    return {"state": ordered, "param_groups": options(opt, lists)}
+    return state_dict_of(opt, state)
 
 
 def _describe(opt: ShardedOptimizerView) -> dict[int, dict[str, _Entry]]:

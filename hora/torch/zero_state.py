@@ -34,11 +34,11 @@ from hora.torch.zero_state_format import (
     SHARDED_KEY,
     ShardedOptimizerView,
     copy_value,
-    frozen_state,
     is_sharded,
     options,
     positions,
     set_options,
+    state_dict_of,
 )
 
 # Tensors of at most this many elements travel inside the pickled structure of a broadcast
@@ -52,7 +52,6 @@ _INLINE_ELEMENTS = 64
 def sharded_state_dict(opt: ShardedOptimizerView) -> dict[str, Any]:
     """This rank's pieces' state, with what is needed to check or consolidate it later."""
     layout = opt.layout
-    lists = opt.param_lists
     at, _ = positions(opt)
     state: dict[int, dict[str, Any]] = {}
     pieces: dict[int, list[int]] = {}
@@ -62,7 +61,6 @@ def sharded_state_dict(opt: ShardedOptimizerView) -> dict[str, Any]:
         own = opt.state.get(opt.pieces[piece.index])
         if own:
             state[position] = dict(own)
-    state.update(frozen_state(opt, lists))
     meta = {
         "format": SHARDED_FORMAT,
         "rank": layout.rank,
@@ -70,11 +68,7 @@ def sharded_state_dict(opt: ShardedOptimizerView) -> dict[str, Any]:
         "pieces": pieces,
         "shapes": {at[i]: list(p.shape) for i, p in enumerate(opt.trainable)},
     }
-    return {
-        SHARDED_KEY: meta,
-        "state": {position: state[position] for position in sorted(state)},
-        "param_groups": options(opt, lists),
-    }
+    return {SHARDED_KEY: meta, **state_dict_of(opt, state)}
 
 
 def consolidate_sharded_state_dicts(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -112,6 +112,17 @@ def frozen_state(
     }
 
 
+def state_dict_of(opt: ShardedOptimizerView, state: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """A state dict in ``torch.optim``'s format: ``state`` (entries by position, to which the
+    frozen parameters' state is added) in position order, and the groups' options."""
+    lists = opt.param_lists
+    state.update(frozen_state(opt, lists))
+    return {
+        "state": {position: state[position] for position in sorted(state)},
+        "param_groups": options(opt, lists),
+    }
+
+
 def copy_value(value: Any) -> Any:
     """A copy of a state entry (tensors cloned)."""
     return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
