@@ -227,9 +227,10 @@ def _run_job(
         if launch.mpi.enabled:
             return _run_mpi(launch, payload, base_env, timeout_s)
         plan = _plan(launch)
-        if isinstance(plan, ElasticPlan):
-            return _run_elastic(plan, launch, payload, base_env, timeout_s)
-        return _run_static(plan, launch, payload, base_env, timeout_s)
+        with _open_job(launch, plan, base_env, payload) as job:
+            if isinstance(plan, ElasticPlan):
+                return _run_elastic(job, plan, launch, timeout_s)
+            return _run_static(job, plan, launch.np, timeout_s)
 
 
 @contextmanager
@@ -284,10 +285,14 @@ def _check_executable(python: str) -> None:
         )
 
 
-def _open_job(launch: LaunchOptions, plan: Plan, base_env: Mapping[str, str]) -> Job:
+@contextmanager
+def _open_job(
+    launch: LaunchOptions, plan: Plan, base_env: Mapping[str, str], payload: bytes
+) -> Iterator[Job]:
     """The job for ``plan``'s driver, as ``horarun``'s, without its signal handlers (this is a
-    library call)."""
-    return Job.open(
+    library call), with the function its workers run (``payload``) in its store; closed on
+    leaving."""
+    with Job.open(
         launch.command,
         plan.network,
         env={**launch.engine_env, **plan.job_env()},
@@ -295,47 +300,34 @@ def _open_job(launch: LaunchOptions, plan: Plan, base_env: Mapping[str, str]) ->
         forwarder=forwarder_for(launch.output),
         record_exits=plan.record_exits,
         launcher_timeout_s=launch.launcher_timeout_s,
-    )
-
-
-def _run_static(
-    plan: StaticPlan,
-    launch: LaunchOptions,
-    payload: bytes,
-    base_env: Mapping[str, str],
-    timeout_s: float | None,
-) -> list[Any]:
-    """One worker per slot, all started at once; every rank's result."""
-    with _open_job(launch, plan, base_env) as job:
+    ) as job:
         job.server.client.set_signed(FUNCTION_KEY, payload)
-        for slot in plan.slots:
-            logger.debug("starting %s: %s", plan.describe(slot), " ".join(job.command))
-            job.spawn(slot, slot.env(), remote=slot.hostname in plan.remote_hosts)
-        codes = job.supervisor.wait(timeout_s)
-        results, errors = collect(
-            job.server.client, range(launch.np), lambda rank: _exit_text(job, rank, codes)
-        )
-    _raise_for_errors(errors, results, launch.np)
-    return [results[rank] for rank in range(launch.np)]
+        yield job
+
+
+def _run_static(job: Job, plan: StaticPlan, np: int, timeout_s: float | None) -> list[Any]:
+    """One worker per slot, all started at once; every rank's result."""
+    for slot in plan.slots:
+        logger.debug("starting %s: %s", plan.describe(slot), " ".join(job.command))
+        job.spawn(slot, slot.env(), remote=slot.hostname in plan.remote_hosts)
+    codes = job.supervisor.wait(timeout_s)
+    results, errors = collect(
+        job.server.client, range(np), lambda rank: _exit_text(job, rank, codes)
+    )
+    return _in_rank_order(results, errors, np)
 
 
 def _run_elastic(
-    plan: ElasticPlan,
-    launch: LaunchOptions,
-    payload: bytes,
-    base_env: Mapping[str, str],
-    timeout_s: float | None,
+    job: Job, plan: ElasticPlan, launch: LaunchOptions, timeout_s: float | None
 ) -> list[Any]:
     """Rounds of workers driven by the elastic driver; the results of the final round's ranks
     ``0 .. min_num_proc - 1``."""
     assert launch.elastic is not None
     wanted = range(launch.elastic.min_np)
-    with _open_job(launch, plan, base_env) as job:
-        client = job.server.client
-        client.set_signed(FUNCTION_KEY, payload)
-        outcome = plan.run(job, timeout_s)
-        final = final_round(client)
-        results, errors = collect_round(client, final)
+    client = job.server.client
+    outcome = plan.run(job, timeout_s)
+    final = final_round(client)
+    results, errors = collect_round(client, final)
     if outcome.status == 0 and all(rank in results for rank in wanted):
         return [results[rank] for rank in wanted]
     summary = "\n".join(f"rank {r}: {text}" for r, text in sorted(errors.items()))
@@ -379,9 +371,8 @@ def _run_mpi(
     assert isinstance(plan, StaticPlan)
     command = mpi_launch.mpirun_command(launch, mpirun, mpi_launch.worker_variables(launch))
     logger.debug("starting the job with %s's launcher: %s", mpirun.flavour, " ".join(command))
-    with _open_job(launch, plan, base_env) as job:
+    with _open_job(launch, plan, base_env, payload) as job:
         server = job.server
-        server.client.set_signed(FUNCTION_KEY, payload)
         process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -406,16 +397,21 @@ def _run_mpi(
             range(launch.np),
             lambda rank: f"rank {rank} ended without a result (mpirun exited with {status})",
         )
-    _raise_for_errors(errors, results, launch.np)
-    return [results[rank] for rank in range(launch.np)]
+    return _in_rank_order(results, errors, launch.np)
 
 
-def _raise_for_errors(errors: dict[int, str], results: dict[int, Any], np: int) -> None:
+def _in_rank_order(results: dict[int, Any], errors: dict[int, str], np: int) -> list[Any]:
+    """The results of ranks ``0 .. np - 1``, in rank order.
+
+    Raises:
+        HoraRunError: some ranks failed; the message lists them.
+    """
     if errors:
         summary = "\n".join(f"rank {r}: {text}" for r, text in sorted(errors.items()))
         raise HoraRunError(
             f"hora.run: {len(errors)} of {np} ranks failed.\n{summary}", results, errors
         )
+    return [results[rank] for rank in range(np)]
 
 
 def _exit_text(job: Job, rank: int, codes: dict[int, int]) -> str:
