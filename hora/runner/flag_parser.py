@@ -118,6 +118,8 @@ def _add(container: Any, option: Option) -> None:
     if option.shape == "level":
         facts.update(type=str.upper, choices=LOG_LEVELS)
         facts.pop("metavar", None)  # argparse lists the choices
+    elif option.shape == "text" and option.variable is not None and option.variable.choices:
+        facts.update(type=str.lower, choices=option.variable.choices)
     elif _TYPES[option.shape] is not None:
         facts["type"] = _TYPES[option.shape]
     if option.shape == "append":

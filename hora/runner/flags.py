@@ -301,6 +301,12 @@ OPTIONS: tuple[Option, ...] = (
             variable=var.HIERARCHICAL_ALLREDUCE, encode=one_if_true,
             help="reduce within hosts through shared memory, across hosts over the network",
             doc_table="engine"),
+    Option(("--gradient-compression",), "gradient_compression", "tunables", "text",
+           metavar="{none,fp16,bf16}", variable=var.GRADIENT_COMPRESSION, encode=str, hora=True,
+           help="how optimizers built without a compressor send gradients",
+           doc="How a `DistributedOptimizer` or `DistributedGradientTape` built with "
+           "`Compression.none` (the default) sends gradients: `none`, `fp16` or `bf16`; see "
+           "[cluster.md](cluster.md#when-to-compress).", doc_table="engine"),
     _switch("--hierarchical-allgather", opposite=("--no-hierarchical-allgather",),
             group="tunables", config_key="params.hierarchical_allgather",
             variable=var.HIERARCHICAL_ALLGATHER, encode=one_if_true,

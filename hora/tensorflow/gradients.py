@@ -17,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from hora.common import api
+from hora.common.ops import compression as compression_policy
 from hora.common.process_sets import ProcessSet
 from hora.tensorflow import ops
 from hora.tensorflow.compression import Compression
@@ -53,7 +54,8 @@ class GradientReducer:
     ``DistributedOptimizer``.
 
     Attributes:
-        compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
+        compression: ``Compression.none``, ``.fp16`` or ``.bf16`` (with ``Compression.none``,
+            ``HORA_GRADIENT_COMPRESSION`` may choose one).
         sparse_as_dense: turn ``tf.IndexedSlices`` into dense tensors before reducing.
         op: ``Average`` (default), ``Sum`` or ``Adasum``.
         gradient_predivide_factor: with Average, divide by this before the sum and by
@@ -89,6 +91,9 @@ class GradientReducer:
         return cls(**{name: arguments[name] for name in _CALL_OPTIONS}, prefix=prefix)
 
     def __post_init__(self) -> None:
+        self.compression = compression_policy.for_gradients(
+            self.compression, Compression.fp16, Compression.bf16
+        )
         if self.gradient_predivide_factor != 1.0 and self.op != ops.Average:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average.")
         if self.num_groups < 0:

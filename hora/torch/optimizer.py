@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hora.common import api
+from hora.common.ops import compression as compression_policy
 from hora.common.ops import submission
 from hora.common.process_sets import ProcessSet
 from hora.common.vocabulary.message import ReduceOp, RequestType
@@ -47,7 +48,8 @@ def DistributedOptimizer(  # Horovod's name
         optimizer: any ``torch.optim`` optimizer (its hyperparameters carry over; its state
             does not, so wrap before loading a checkpoint).
         named_parameters: ``model.named_parameters()``; names the allreduces (recommended).
-        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16``.
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16``
+            (with ``Compression.none``, ``HORA_GRADIENT_COMPRESSION`` may choose one).
         backward_passes_per_step: backward passes to accumulate locally before reducing.
         op: ``hvd.Average`` (default), ``hvd.Sum``, or ``hvd.Adasum`` (each rank steps on its
             own gradient and the updates are combined with Adasum; a power-of-two number of
@@ -100,7 +102,7 @@ def DistributedOptimizer(  # Horovod's name
         raise ValueError("The optimizer is already a DistributedOptimizer.")
     options = DistributedOptions(
         named_parameters,
-        compression,
+        compression_policy.for_gradients(compression, Compression.fp16, Compression.bf16),
         backward_passes_per_step,
         reduce_op,
         gradient_predivide_factor,

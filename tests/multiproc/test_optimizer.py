@@ -7,6 +7,7 @@ both (the reference locally, from rank 0's initial weights) and reports the larg
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -129,6 +130,12 @@ def _equivalence_worker() -> dict[str, Any]:
     out["adam_passes_2"] = _train("adam", passes=2)
     out["sgd_fp16"] = _train("sgd_momentum", compression="fp16")
     out["sgd_bf16"] = _train("sgd_momentum", compression="bf16")
+    # HORA_GRADIENT_COMPRESSION is read as each optimizer is built: it picks bf16 for one built
+    # with the default Compression.none, and leaves one built with fp16 as it is.
+    os.environ["HORA_GRADIENT_COMPRESSION"] = "bf16"
+    out["sgd_setting_bf16"] = _train("sgd_momentum")
+    out["sgd_setting_keeps_fp16"] = _train("sgd_momentum", compression="fp16")
+    del os.environ["HORA_GRADIENT_COMPRESSION"]
     out["sgd_groups_2"] = _train("sgd_momentum", groups=2)
     out["adam_predivide"] = _train("adam", gradient_predivide_factor=2.0)
     # The gradients' dtype changes midway on every rank: float64 training stays exact.
@@ -174,6 +181,16 @@ def test_options_keep_training_equivalent(
 ) -> None:
     for rank, observed in enumerate(equivalence):
         assert observed[case] < tolerance, f"rank {rank}: {case} differs by {observed[case]}"
+
+
+@pytest.mark.timeout(180)
+def test_the_compression_setting_picks_a_compressor_for_the_default_only(
+    equivalence: list[dict[str, Any]],
+) -> None:
+    for rank, observed in enumerate(equivalence):
+        assert observed["sgd_bf16"] != observed["sgd_momentum"], f"rank {rank}"
+        assert observed["sgd_setting_bf16"] == observed["sgd_bf16"], f"rank {rank}"
+        assert observed["sgd_setting_keeps_fp16"] == observed["sgd_fp16"], f"rank {rank}"
 
 
 def _lending_worker() -> dict[str, Any]:

@@ -172,6 +172,9 @@ def _tape(hvd: Any, tf: Any) -> dict[str, Any]:
     out["fp16"] = grads(
         lambda t: hvd.DistributedGradientTape(t, compression=hvd.Compression.fp16), inputs[r]
     )
+    os.environ["HORA_GRADIENT_COMPRESSION"] = "fp16"  # read as each tape is built
+    out["fp16.setting"] = grads(hvd.DistributedGradientTape, inputs[r])
+    del os.environ["HORA_GRADIENT_COMPRESSION"]
 
     @tf.function
     def traced(data: Any) -> Any:
@@ -505,6 +508,9 @@ def test_distributed_gradient_tape_averages(ranks: list[Any]) -> None:
                 np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=key)
         for got, want in zip(t["fp16"], t["expected"]):
             np.testing.assert_allclose(got, want, rtol=2e-2)
+        # HORA_GRADIENT_COMPRESSION=fp16 makes a tape built without a compressor send fp16.
+        assert t["fp16"] != t["eager"]
+        assert t["fp16.setting"] == t["fp16"]
         # The last layer is local: its gradients are this rank's own, divided by the size.
         for got, want in zip(t["partial"][:2], t["expected"][:2]):
             np.testing.assert_allclose(got, want, rtol=1e-5)

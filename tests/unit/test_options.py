@@ -315,3 +315,15 @@ def test_flags_reach_the_typed_options(tmp_path: Path) -> None:
     plain = parse(["-np", "3", *COMMAND])
     assert plain.elastic is None and plain.hosts == options.HostOptions()
     assert plain.output == options.OutputOptions() and plain.mpi == options.MpiOptions()
+
+
+def test_gradient_compression_is_a_choice_set_for_the_workers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse(["-np", "2", "--gradient-compression", "BF16", *COMMAND]).engine_env == {
+        "HORA_GRADIENT_COMPRESSION": "bf16"
+    }
+    with pytest.raises(SystemExit) as exited:
+        options.parse(["-np", "2", "--gradient-compression", "int8", *COMMAND])
+    assert exited.value.code == 2
+    assert "invalid choice: 'int8'" in capsys.readouterr().err

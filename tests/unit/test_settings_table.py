@@ -222,6 +222,8 @@ def _given(option: Option) -> list[str]:
         return [option.flags[0]]
     if option.shape == "pair":
         return [option.flags[0], "2", "5"]
+    if option.shape == "text" and option.variable is not None and option.variable.choices:
+        return [option.flags[0], option.variable.choices[-1]]
     return [option.flags[0], *SAMPLES["int" if option.shape == "append" else option.shape][0]]
 
 

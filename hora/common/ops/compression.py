@@ -14,9 +14,14 @@ context are opaque objects it only compares and hands back.
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar, Protocol, TypeVar
 
+from hora.common.vocabulary import settings_table as table
+from hora.common.vocabulary.config import SettingError, read
+
 TensorT = TypeVar("TensorT")
+logger = logging.getLogger("hora")
 
 
 class Casts(Protocol):
@@ -81,3 +86,24 @@ class CastCompressor(Compressor):
     @classmethod
     def decompress(cls, tensor: TensorT, ctx: object) -> TensorT:
         return tensor if ctx is None else cls.casts.cast(tensor, ctx)
+
+
+def for_gradients(compression: object, fp16: object, bf16: object) -> object:
+    """The compressor an optimizer or gradient tape built with ``compression`` sends gradients
+    with: ``compression`` itself, except where it is :class:`NoneCompressor` (the default) and
+    ``HORA_GRADIENT_COMPRESSION`` names ``fp16`` or ``bf16``: then the adapter's compressor of
+    that name (``fp16``, ``bf16``).
+
+    Raises:
+        SettingError: ``HORA_GRADIENT_COMPRESSION`` is not ``none``, ``fp16`` or ``bf16``.
+    """
+    if compression is not NoneCompressor:
+        return compression
+    name = read(table.GRADIENT_COMPRESSION)
+    problem = table.GRADIENT_COMPRESSION.problem(name)
+    if problem is not None:
+        raise SettingError(problem)
+    if name == "none":
+        return compression
+    logger.debug("gradients travel as %s (HORA_GRADIENT_COMPRESSION=%s)", name, name)
+    return fp16 if name == "fp16" else bf16

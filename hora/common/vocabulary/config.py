@@ -152,6 +152,9 @@ class Settings:
             mode's fixed order (see docs/deterministic.md).
         deterministic_microbatches: that mode's K, for optimizers built without
             ``microbatches=`` (``None``: unset).
+        gradient_compression: how optimizers built with ``Compression.none`` send gradients
+            (``none``, ``fp16``, ``bf16``; read again as each optimizer is built, see
+            :func:`hora.common.ops.compression.for_gradients`).
     """
 
     fusion_threshold_bytes: int = _setting(table.FUSION_THRESHOLD)
@@ -181,6 +184,7 @@ class Settings:
     enable_nvtx: bool = _setting(table.ENABLE_NVTX)
     deterministic: bool = _setting(table.DETERMINISTIC)
     deterministic_microbatches: int | None = _setting(table.DETERMINISTIC_MICROBATCHES)
+    gradient_compression: str = _setting(table.GRADIENT_COMPRESSION)
 
     @property
     def stall_limit_s(self) -> float:

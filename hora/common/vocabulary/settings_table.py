@@ -456,6 +456,16 @@ HIERARCHICAL_ALLREDUCE = Variable(
     f"every rank. Unset: hierarchical where it applies. {_SAME_ON_EVERY_RANK}",
     default_doc="unset: hierarchical", agreed=True,
 )  # fmt: skip
+GRADIENT_COMPRESSION = Variable(
+    "GRADIENT_COMPRESSION", CHOICE, "none",
+    "How a `DistributedOptimizer` (PyTorch, TensorFlow, Keras) or `DistributedGradientTape` "
+    "built with `compression=hvd.Compression.none` (the default) sends gradients: `none`, "
+    "`fp16` or `bf16` (floating-point gradients travel as that type and are cast back). One "
+    "built with another compressor keeps it. Compress where the links between hosts limit the "
+    "step; see [docs/cluster.md](cluster.md#when-to-compress). "
+    f"{_SAME_ON_EVERY_RANK}",
+    choices=("none", "fp16", "bf16"), horovod=False, agreed=True,
+)  # fmt: skip
 HIERARCHICAL_ALLGATHER = Variable(
     "HIERARCHICAL_ALLGATHER", OPTIONAL_BOOLEAN, None,
     "Read so that Horovod's setting is not silently dropped: hora's allgather across hosts "
@@ -680,6 +690,7 @@ VARIABLES: tuple[Variable[object], ...] = (
     SHM_ARENA_BYTES,
     HIERARCHICAL_ALLREDUCE,
     HIERARCHICAL_ALLGATHER,
+    GRADIENT_COMPRESSION,
     GPU_OPERATIONS,
     ENABLE_NVTX,
     GLOO_IFACE,
