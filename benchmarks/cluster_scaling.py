@@ -14,7 +14,8 @@ directions) and, for each layout (hosts x ranks: 1x2, 2x1, 2x2, 4x1), runs these
   (hora and raw ``torch.distributed.all_reduce``) and training throughput of the three models
   of benchmarks/training.py, each trained one rank alone (``single``), with DDP and with hora;
 - ``fp16`` and ``bf16``: the same models trained with DDP and with hora's ``Compression.fp16``
-  (or ``Compression.bf16``), in jobs of their own (see :data:`COMPRESSIONS`);
+  (or ``Compression.bf16``), in jobs of their own (see :data:`COMPRESSIONS`), chosen as a user
+  of a cluster would without changing the script: ``horarun --gradient-compression fp16``;
 - ``flat`` (layouts with several ranks on each of several hosts): the same for hora with
   ``HORA_HIERARCHICAL_ALLREDUCE=0``, one Gloo group of every rank;
 - ``mpi`` (layouts across hosts, when ``mpirun`` and mpi4py are there): hora under
@@ -135,15 +136,15 @@ def training_modes(spec: Any, modes: list[str], rank: int, size: int) -> dict[st
             wrapped = DistributedDataParallel(model, **training.NO_BUFFER_SYNC)
             steps[mode] = training.make_step(wrapped, training.sgd(wrapped), inputs, labels)
             continue
-        compression = {
-            "hora": hvd.Compression.none,
-            "hora-fp16": hvd.Compression.fp16,
-            "hora-bf16": hvd.Compression.bf16,
-        }[mode]
+        # The compressed modes run in jobs of their own, started with horarun's
+        # --gradient-compression: an optimizer built with the default compression there sends
+        # fp16 or bf16.
+        wanted = mode.removeprefix("hora-") if mode != "hora" else "none"
+        setting = os.environ.get("HORA_GRADIENT_COMPRESSION", "none")
+        assert setting == wanted, f"mode {mode} in a job with HORA_GRADIENT_COMPRESSION={setting}"
         opt = hvd.DistributedOptimizer(
             training.sgd(model),
             named_parameters=[(f"{mode}.{n}", p) for n, p in model.named_parameters()],
-            compression=compression,
         )
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         steps[mode] = training.make_step(model, opt, inputs, labels)
@@ -295,6 +296,8 @@ def run_job(cluster: Any, job: JobSpec, args: argparse.Namespace, out_dir: Path)
         launcher += ["-H", cluster.host_list(ranks, hosts)]
     else:
         launcher = cluster.horarun(slots=ranks, hosts=hosts)
+        if job.variant in COMPRESSIONS:
+            launcher += ["--gradient-compression", job.variant]
     command = [*launcher, sys.executable, os.path.abspath(__file__), "--worker"]
     command += ["--variant", job.variant, "--json", str(result_path), "--iters", str(args.iters)]
     command += ["--block", str(args.block), "--models", *args.models]
