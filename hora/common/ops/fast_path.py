@@ -23,6 +23,7 @@ the failure it reports.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 
@@ -46,19 +47,45 @@ def header(
     kind: RequestType, name: str, tensors: Sequence[torch.Tensor], fields: Mapping[str, object]
 ) -> bytes | None:
     """A call's signature: a digest of everything the members must agree on (its kind, name,
-    each tensor's dtype, shape and device, and the fields of its request); ``None`` when the
-    lane cannot run it."""
-    runnable = kind in _KINDS and all(t.device.type == "cpu" for t in tensors)
-    if runnable and kind == RequestType.ALLREDUCE:
-        reduce_op = fields.get("reduce_op")
-        runnable = reduce_op in _REDUCTIONS and len({t.dtype for t in tensors}) <= 1
-    text = f"{kind.value}|{name}|" + ";".join(
-        f"{t.dtype}{tuple(t.shape)}{t.device}" for t in tensors
-    )
-    text += f"|{fields!r}"
-    if not runnable:
+    each tensor's dtype and shape, and the fields of its request); ``None`` when the lane
+    cannot run it (a tensor off the CPU, a reduction the lane lacks, mixed dtypes)."""
+    if kind not in _KINDS:
         return None
+    described = []
+    dtypes = set()
+    for tensor in tensors:
+        if not tensor.is_cpu:
+            return None
+        dtypes.add(tensor.dtype)
+        described.append(_tensor_text(tensor.dtype, tensor.shape))
+    if kind == RequestType.ALLREDUCE and (
+        fields.get("reduce_op") not in _REDUCTIONS or len(dtypes) > 1
+    ):
+        return None
+    text = f"{kind.value}|{name}|{';'.join(described)}|{_fields_text(fields)}"
     return hashlib.blake2b(text.encode(), digest_size=24).digest()
+
+
+# What header() writes for a tensor (by dtype and shape) and for a call's fields: the same few
+# recur in a settled job, and formatting them anew costs more than the rest of a small call.
+# Each text depends on its key alone, so the caches change nothing but the cost.
+@functools.lru_cache(maxsize=4096)
+def _tensor_text(dtype: torch.dtype, shape: torch.Size) -> str:
+    return f"{dtype}{tuple(shape)}cpu"
+
+
+@functools.lru_cache(maxsize=4096)
+def _items_text(items: tuple[tuple[str, type, object], ...]) -> str:
+    return repr({name: value for name, _, value in items})
+
+
+def _fields_text(fields: Mapping[str, object]) -> str:
+    # Keyed with each value's type: 1 and 1.0 are equal keys but print differently.
+    items = tuple((name, type(value), value) for name, value in fields.items())
+    try:
+        return _items_text(items)
+    except TypeError:  # a value that cannot be hashed: formatted every time
+        return repr(dict(fields))
 
 
 def run(

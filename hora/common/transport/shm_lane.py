@@ -160,6 +160,8 @@ class Lane:
             for s in self._layout.slots
         ]
         self._head_in_use = 0  # which of its two heads a member signs its next call with
+        # Each head as each dtype it was read as, made once (a view costs a small call's time).
+        self._typed_heads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         start = HEAD_OFFSET + 2 * HEAD_BYTES
         self._halves = [
             (s[start : start + HALF_BYTES], s[start + HALF_BYTES : start + 2 * HALF_BYTES])
@@ -367,6 +369,7 @@ class Lane:
 
     def close(self) -> None:
         self._heads = []
+        self._typed_heads = {}
         self._halves = []
         for line in self._lines:
             line.release()
@@ -378,7 +381,11 @@ class Lane:
     # ------------------------------------------------------------- parts
 
     def _head(self, member: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        return self._heads[member][self._head_in_use].view(dtype)[:count]
+        key = (member, self._head_in_use, dtype)
+        typed = self._typed_heads.get(key)
+        if typed is None:
+            typed = self._typed_heads[key] = self._heads[member][self._head_in_use].view(dtype)
+        return typed[:count]
 
     def _next_half(self) -> int:
         half = self._half
