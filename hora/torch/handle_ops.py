@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 
 from hora.common.ops import collectives, submission
+from hora.common.ops import direct as _direct
 from hora.common.ops.collectives import poll as poll
 from hora.common.ops.collectives import synchronize as synchronize
 from hora.common.process_sets import ProcessSet
@@ -89,6 +90,9 @@ def allreduce_(
             [tensor], False, average, name, _UNCOMPRESSED, op, scales, process_set
         )
         return compiled.written([tensor], traced)[0]
+    direct = _direct.allreduce(tensor, True, name, op, average, *scales, process_set)
+    if direct is not None:
+        return direct
     handle = _allreduce([tensor], True, name, op, average, *scales, process_set, False, True)
     return cast(torch.Tensor, synchronize(handle))
 

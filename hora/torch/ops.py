@@ -19,6 +19,7 @@ import torch
 
 from hora.common import api
 from hora.common.ops import collectives, submission
+from hora.common.ops import direct as _direct
 from hora.common.ops.collectives import Adasum as Adasum
 from hora.common.ops.collectives import Average as Average
 from hora.common.ops.collectives import Max as Max
@@ -158,6 +159,10 @@ def allreduce(
             [tensor], False, average, name, compression, op, scales, process_set
         )
         return traced
+    if compression is Compression.none:
+        direct = _direct.allreduce(tensor, False, name, op, average, *scales, process_set)
+        if direct is not None:
+            return direct
     (result,) = _compressed(
         compression,
         [tensor],

@@ -158,6 +158,79 @@ def test_live_metrics_count_fast_path_calls_as_the_engine_counts_them(np: int) -
     assert all(r["inline"] == 0 for r in full), full
 
 
+def _signed_alike() -> bool:
+    """Whether every member signed its last signed call alike, once all made it and before any
+    signs another (allgathers, which the lane leaves to the engine unsigned, line them up)."""
+    import torch
+
+    import hora.torch as hvd
+    from hora.common import basics
+
+    hvd.allgather(torch.ones(1))
+    lane = basics.engine().lane(0)
+    alike = len({lane.signed(m) for m in range(hvd.size())}) == 1  # type: ignore[union-attr]
+    hvd.allgather(torch.ones(1))
+    return alike
+
+
+def _direct_beside_general() -> dict[str, Any]:
+    """Small synchronous allreduces that one rank makes through the direct path and another
+    through the general one (a tensor that requires a gradient, an inference tensor written
+    outside inference mode), and calls the direct path leaves to the engine."""
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    values, alike = [], []
+    # Rank 0's tensor requires a gradient: autograd's path; the others' take the direct one.
+    grad = torch.full((3,), float(rank + 1), requires_grad=rank == 0)
+    values.append(hvd.allreduce(grad, op=hvd.Sum, name="grad").detach().tolist())
+    alike.append(_signed_alike())
+    with torch.inference_mode():
+        frozen = torch.full((2,), float(rank))
+    if rank == 1:  # only inference mode may write it: the general path enters it
+        values.append(hvd.allreduce_(frozen, op=hvd.Max).tolist())
+    else:
+        with torch.inference_mode():
+            values.append(hvd.allreduce_(frozen, op=hvd.Max).tolist())
+    alike.append(_signed_alike())
+    scaled = torch.arange(4, dtype=torch.int32) + rank
+    values.append(hvd.allreduce(scaled, prescale_factor=2, postscale_factor=3, op=hvd.Sum).tolist())
+    values.append(hvd.allreduce(torch.tensor(float(rank)), name="scalar").tolist())
+    before = _inline_calls()
+    # Asynchronous on rank 0, synchronous elsewhere: the lane leaves it to the engine.
+    late = torch.ones(5) * (rank + 1)
+    if rank == 0:
+        values.append(hvd.synchronize(hvd.allreduce_async(late, name="late", op=hvd.Sum)).tolist())
+    else:
+        values.append(hvd.allreduce(late, name="late", op=hvd.Sum).tolist())
+    left = _inline_calls() == before
+    values.append(hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist())  # in step after it
+    hvd.shutdown()
+    return {"values": values, "alike": alike, "left to the engine": left}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [2, 3])
+def test_direct_and_general_calls_meet_on_the_lane(np: int) -> None:
+    results = run_job(_direct_beside_general, np, env=FAST)
+    total = sum(range(1, np + 1))
+    expected = [
+        [float(total)] * 3,
+        [float(np - 1)] * 2,
+        [3 * sum(2 * (i + r) for r in range(np)) for i in range(4)],
+        sum(range(np)) / np,
+        [float(total)] * 5,
+        [float(np)],
+    ]
+    assert all(r["values"] == expected for r in results), results
+    # The two paths sign a call alike, so the lane may run it whichever path each rank took.
+    assert all(r["alike"] == [True, True] for r in results), results
+    assert all(r["left to the engine"] for r in results), results
+
+
 def _mismatches() -> dict[str, Any]:
     import torch
 

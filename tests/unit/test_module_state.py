@@ -132,6 +132,10 @@ ALLOWED = {
         "hora/common/ops/fast_path.py",
         "_items_text",
     ): "the text of a call's request fields in a fast-path signature, as _tensor_text",
+    (
+        "hora/common/ops/fast_path.py",
+        "reduction_text",
+    ): "the text of an allreduce's fields in a fast-path signature, as _tensor_text",
 }
 
 SOURCES = {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in sorted(HORA.rglob("*.py"))}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from hora.common.engine import Engine, Handle
 from hora.common.engine.buffers import postscale
 from hora.common.engine.steady.waits import stalled
 from hora.common.transport import CallerLane, TransportError
-from hora.common.transport.shm_lane import Lane
+from hora.common.transport.shm_lane import Lane, Signature
 from hora.common.vocabulary.errors import HoraInternalError
 from hora.common.vocabulary.message import ReduceOp, RequestType, key_label, make_key
 from hora.common.vocabulary.timeline_writer import Timeline
@@ -45,7 +46,7 @@ _KINDS = (RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.BARRIER)
 
 def header(
     kind: RequestType, name: str, tensors: Sequence[torch.Tensor], fields: Mapping[str, object]
-) -> bytes | None:
+) -> Signature | None:
     """A call's signature: a digest of everything the members must agree on (its kind, name,
     each tensor's dtype and shape, and the fields of its request); ``None`` when the lane
     cannot run it (a tensor off the CPU, a reduction the lane lacks, mixed dtypes)."""
@@ -62,8 +63,16 @@ def header(
         fields.get("reduce_op") not in _REDUCTIONS or len(dtypes) > 1
     ):
         return None
-    text = f"{kind.value}|{name}|{';'.join(described)}|{_fields_text(fields)}"
-    return hashlib.blake2b(text.encode(), digest_size=24).digest()
+    return digest(kind, name, ";".join(described), _fields_text(fields))
+
+
+def digest(kind: RequestType, name: str, tensors_text: str, fields_text: str) -> Signature:
+    """The signature of a call from its parts' texts, as :func:`header` writes them."""
+    text = f"{kind.value}|{name}|{tensors_text}|{fields_text}"
+    return _WORDS.unpack(hashlib.blake2b(text.encode(), digest_size=24).digest())
+
+
+_WORDS = struct.Struct("<3q")
 
 
 # What header() writes for a tensor (by dtype and shape) and for a call's fields: the same few
@@ -121,9 +130,7 @@ def run(
         try:
             ran = _run_signed(lane, signature, kind, tensors, outputs, fields, members, times)
         except TransportError as exc:
-            limit_s = engine.settings.stall_limit_s
-            error = stalled(limit_s, [name], lane.ranks[lane.rank], exc)
-            raise HoraInternalError(engine.caller_failed(str(error))) from None
+            raise failure(engine, lane, name, exc) from None
         number = lane.number
     if not ran:
         return None
@@ -148,6 +155,19 @@ def run(
     return handle
 
 
+def failure(engine: Engine, lane: Lane, name: str, exc: TransportError) -> HoraInternalError:
+    """The error of a call the lane could not finish (a lost peer, a timeout), once the engine
+    failed the job for it as for a failed collective."""
+    error = stalled(engine.settings.stall_limit_s, [name], lane.ranks[lane.rank], exc)
+    return HoraInternalError(engine.caller_failed(str(error)))
+
+
+def accepting(engine: Engine) -> bool:
+    """Whether the engine takes calls (an ended job's calls go to it, to raise why it ended)."""
+    intake = engine.intake
+    return intake.running and intake.shutdown_reason is None and intake.failure is None
+
+
 def _signature(
     engine: Engine,
     kind: RequestType,
@@ -155,19 +175,18 @@ def _signature(
     tensors: Sequence[torch.Tensor],
     fields: Mapping[str, object],
     members: Sequence[int],
-) -> bytes | None:
+) -> Signature | None:
     """The call's :func:`header`, or ``None`` when it goes to the engine in any case."""
     if kind == RequestType.BROADCAST and fields.get("root_rank") not in members:
         return None  # the engine's checks name the error
-    intake = engine.intake
-    if not intake.running or intake.shutdown_reason is not None or intake.failure is not None:
-        return None  # an ended job's calls raise why it ended
+    if not accepting(engine):
+        return None
     return header(kind, name, tensors, fields)
 
 
 def _run_signed(
     lane: Lane,
-    signature: bytes,
+    signature: Signature,
     kind: RequestType,
     tensors: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor | None],
@@ -246,7 +265,7 @@ def rejoin(lanes: Sequence[CallerLane]) -> None:
 
 def _allreduce(
     lane: Lane,
-    signature: bytes,
+    signature: Signature,
     tensors: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor | None],
     fields: Mapping[str, object],
@@ -268,13 +287,39 @@ def _allreduce(
     _settled(times)
     if not ran:
         return False
+    reduce_signed(lane, flat, out, reduce_op, prescale, factor)
+    if len(tensors) > 1:
+        for piece, tensor, target in zip(out.split([t.numel() for t in tensors]), tensors, outputs):
+            (tensor if target is None else target).view(-1).copy_(piece)
+    return True
+
+
+def reduce_signed(
+    lane: Lane,
+    flat: torch.Tensor,
+    out: torch.Tensor,
+    reduce_op: ReduceOp,
+    prescale: float,
+    factor: float,
+) -> None:
+    """The data phase of an allreduce every member signed alike: ``flat`` (signed with its
+    head scaled by ``prescale``) reduced into ``out``, averaged and scaled by ``factor`` as the
+    engine does."""
     op = ReduceOp.SUM if reduce_op == ReduceOp.AVERAGE else reduce_op
     lane.allreduce(flat, out, op, prescale)
     divisor = lane.size if reduce_op == ReduceOp.AVERAGE else 1
     scaled = postscale(out, divisor, factor)
     if scaled is not out:  # integers and halves are scaled through a wider copy
         out.copy_(scaled)
-    if len(tensors) > 1:
-        for piece, tensor, target in zip(out.split([t.numel() for t in tensors]), tensors, outputs):
-            (tensor if target is None else target).view(-1).copy_(piece)
-    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def reduction_text(reduce_op: ReduceOp, prescale: float, postscale: float) -> str:
+    """What :func:`header` writes for the fields of an allreduce (as
+    :func:`hora.common.ops.submission.reduction` makes them: the scale factors as floats)."""
+    return _fields_text({"reduce_op": reduce_op, "prescale": prescale, "postscale": postscale})
+
+
+def tensor_text(dtype: torch.dtype, shape: torch.Size) -> str:
+    """What :func:`header` writes for a CPU tensor of ``dtype`` and ``shape``."""
+    return _tensor_text(dtype, shape)

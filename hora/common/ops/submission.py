@@ -280,8 +280,28 @@ def submit(
         done = fast_path.run(engine, lane, kind, base, tensors, outputs, grouped, fields, set_id)
         if done is not None:
             return done
+    named = grouped and name is not None
+    return to_engine(kind, base, tensors, outputs, set_id, grouped, named, lane is not None, fields)
+
+
+def to_engine(
+    kind: RequestType,
+    base: str,
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | None],
+    set_id: int,
+    grouped: bool,
+    named: bool,
+    posted: bool,
+    fields: RequestFields,
+) -> Handle:
+    """Hand a call named ``base`` to the engine; ``posted`` when its number was taken on the
+    set's lane (which decided it goes to the engine). ``named``: a grouped call the caller
+    named, whose requests the session keeps."""
+    current = session()
+    engine = current.engine
     handle = engine.handle(len(tensors), kind, grouped)
-    if grouped and name is not None:
+    if named:
         requests = _grouped_requests(current.grouped_calls, kind, base, tensors, set_id, fields)
     else:
         requests = _describe_all(kind, base, tensors, set_id, grouped, fields)
@@ -292,7 +312,7 @@ def submit(
         Entry(request, tensor, output, handle, index)
         for index, (request, tensor, output) in enumerate(zip(requests, tensors, outputs))
     ]
-    engine.enqueue(entries, posted=lane is not None)
+    engine.enqueue(entries, posted=posted)
     return handle
 
 

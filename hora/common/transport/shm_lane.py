@@ -47,7 +47,6 @@ import ctypes
 import functools
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +69,8 @@ CELLS = 4096
 _INLINE, _ENGINE = 1, 2
 HEAD_OFFSET = 9 * 4096  # the line and the cells, in whole pages
 HEAD_BYTES = 1 << 20
+# The members' heads viewed as (dtype, count) pairs: how many pairs a lane keeps made.
+HEAD_VIEWS_KEPT = 256
 HALF_BYTES = 1 << 20
 SLOT_BYTES = HEAD_OFFSET + 2 * HEAD_BYTES + 2 * HALF_BYTES
 # How long a signed call waits for every member's post before it goes to the engine.
@@ -83,6 +84,8 @@ OVERSUBSCRIBED_SPIN_S = 50e-6
 # How long a waiter sleeps on a bell before it looks again.
 BELL_SLICE_S = 0.002
 _BELL_WRAP = 1 << 31
+# A call's signature: three 64-bit words (see hora.common.ops.fast_path.header).
+Signature = tuple[int, int, int]
 
 
 @functools.cache
@@ -160,8 +163,7 @@ class Lane:
             for s in self._layout.slots
         ]
         self._head_in_use = 0  # which of its two heads a member signs its next call with
-        # Each head as each dtype it was read as, made once (a view costs a small call's time).
-        self._typed_heads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._head_views: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
         start = HEAD_OFFSET + 2 * HEAD_BYTES
         self._halves = [
             (s[start : start + HALF_BYTES], s[start + HALF_BYTES : start + 2 * HALF_BYTES])
@@ -197,18 +199,23 @@ class Lane:
         line[_CONSUMED] = mark
         self._ring()
 
-    def sign(self, signature: bytes, data: torch.Tensor | None = None, scale: float = 1.0) -> bool:
-        """This member's next call, which the lane could run: sign it (``signature``: 24
-        bytes) with the first :attr:`room` bytes of ``data`` (multiplied by ``scale``), post,
-        and wait for the call's decision: whether every member runs it here (then each calls
-        the collective's own method next, and :meth:`finish` once it read the heads)."""
+    def sign(
+        self, signature: Signature, data: torch.Tensor | None = None, scale: float = 1.0
+    ) -> bool:
+        """This member's next call, which the lane could run: sign it (``signature``: three
+        64-bit words) with the first :attr:`room` bytes of ``data`` (multiplied by ``scale``),
+        post, and wait for the call's decision: whether every member runs it here (then each
+        calls the collective's own method next, and :meth:`finish` once it read the heads)."""
         self._seq += 1
         mark = _tag(self._epoch, self._seq)
         line = self._lines[self.rank]
-        if data is not None and data.numel():
-            count = min(data.numel(), self.room // data.element_size())
-            _copy_scaled(self._head(self.rank, data.dtype, count), data[:count], scale)
-        words = struct.unpack("<3q", signature)
+        numel = 0 if data is None else data.numel()
+        if numel:
+            assert data is not None
+            count = min(numel, self.room // data.element_size())
+            own = self._heads_of(data.dtype, count)[self.rank]
+            _copy_scaled(own, data if count == numel else data[:count], scale)
+        words = signature
         line[_SIGNATURE], line[_SIGNATURE + 1], line[_SIGNATURE + 2] = words
         line[_SIGNED] = mark
         line[_POST] = mark
@@ -219,6 +226,11 @@ class Lane:
         else:
             line[_CONSUMED] = mark
         return inline
+
+    def signed(self, member: int) -> Signature:
+        """The signature ``member`` signed its last signed call with."""
+        line = self._lines[member]
+        return line[_SIGNATURE], line[_SIGNATURE + 1], line[_SIGNATURE + 2]
 
     def finish(self) -> None:
         """This member has read every head of its inline call."""
@@ -328,10 +340,13 @@ class Lane:
         """The data phase of an inline allreduce of ``flat`` (its head already signed, scaled
         by ``scale``) into ``out`` (which may be ``flat``)."""
         function = REDUCTIONS[op]
-        first = min(flat.numel(), self.room // flat.element_size())
-        heads = [self._head(m, flat.dtype, first) for m in range(self.size)]
-        self._reduce(function, heads, out[:first])
+        numel = flat.numel()
+        first = min(numel, self.room // flat.element_size())
+        heads = self._heads_of(flat.dtype, first)
+        self._reduce(function, heads, out if first == numel else out[:first])
         self.finish()
+        if first == numel:
+            return
         per_chunk = max(1, (HALF_BYTES // flat.element_size()) // ALIGN * ALIGN)
         for start in range(first, flat.numel(), per_chunk):
             count = min(per_chunk, flat.numel() - start)
@@ -350,7 +365,7 @@ class Lane:
             if out.data_ptr() != flat.data_ptr():
                 out.copy_(flat)
         else:
-            out[:first].copy_(self._head(root, flat.dtype, first))
+            out[:first].copy_(self._heads_of(flat.dtype, first)[root])
         self.finish()
         per_chunk = max(1, (HALF_BYTES // flat.element_size()) // ALIGN * ALIGN)
         for start in range(first, flat.numel(), per_chunk):
@@ -369,7 +384,7 @@ class Lane:
 
     def close(self) -> None:
         self._heads = []
-        self._typed_heads = {}
+        self._head_views = {}
         self._halves = []
         for line in self._lines:
             line.release()
@@ -380,12 +395,19 @@ class Lane:
 
     # ------------------------------------------------------------- parts
 
-    def _head(self, member: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        key = (member, self._head_in_use, dtype)
-        typed = self._typed_heads.get(key)
-        if typed is None:
-            typed = self._typed_heads[key] = self._heads[member][self._head_in_use].view(dtype)
-        return typed[:count]
+    def _heads_of(self, dtype: torch.dtype, count: int) -> tuple[torch.Tensor, ...]:
+        """Every member's head in use, as its first ``count`` elements of ``dtype``: made once
+        per head, dtype and count (a view costs a small call's time), as normal tensors even in
+        inference mode, so that a call in either mode may write them."""
+        key = (self._head_in_use, dtype, count)
+        views = self._head_views.get(key)
+        if views is None:
+            if len(self._head_views) >= HEAD_VIEWS_KEPT:
+                self._head_views.clear()
+            with torch.inference_mode(False):
+                views = tuple(heads[self._head_in_use].view(dtype)[:count] for heads in self._heads)
+            self._head_views[key] = views
+        return views
 
     def _next_half(self) -> int:
         half = self._half
