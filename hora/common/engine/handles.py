@@ -10,6 +10,7 @@ values; it holds no engine state.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -131,6 +132,14 @@ class Handle:
     def deliver(self, index: int, value: object) -> None:
         """One tensor's result, delivered by the caller's own thread (the fast path)."""
         self._set(index, value)
+
+    def deliver_all(self, values: Sequence[object]) -> None:
+        """Every tensor's result at once, delivered by the caller's own thread (the fast
+        path)."""
+        self.results[: len(values)] = values
+        self._remaining -= len(values)
+        if self._remaining == 0 and self.error is None:
+            self._open()
 
     def _set(self, index: int, value: object) -> None:
         self.results[index] = value

@@ -29,6 +29,7 @@ import struct
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hora.common.engine import Engine, Handle
 from hora.common.engine.buffers import postscale
@@ -134,7 +135,8 @@ def run(
         number = lane.number
     if not ran:
         return None
-    reduced = sum(t.numel() * t.element_size() for t in tensors)
+    # The lane's calls have one dtype: their bytes are their elements' count times its size.
+    reduced = sum(map(torch.Tensor.numel, tensors)) * tensors[0].element_size() if tensors else 0
     engine.counters.collective(
         issued,
         engine.counters.now(),
@@ -148,8 +150,7 @@ def run(
         _trace(times, kind, labels, number, (len(tensors), reduced))
     handle = engine.handle(max(len(tensors), 1), kind, grouped)
     if tensors:
-        for index, (tensor, output) in enumerate(zip(tensors, outputs)):
-            handle.deliver(index, tensor if output is None else output)
+        handle.deliver_all([t if output is None else output for t, output in zip(tensors, outputs)])
     else:
         handle.deliver(0, None)
     return handle
@@ -281,7 +282,7 @@ def _allreduce(
         target = outputs[0]
         out = flat if target is None else target.view(-1)
     else:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = _flatten_dense_tensors(tensors)  # one C++ loop, not a view per tensor here
         out = flat
     ran = lane.sign(signature, flat, prescale)
     _settled(times)
@@ -289,8 +290,8 @@ def _allreduce(
         return False
     reduce_signed(lane, flat, out, reduce_op, prescale, factor)
     if len(tensors) > 1:
-        for piece, tensor, target in zip(out.split([t.numel() for t in tensors]), tensors, outputs):
-            (tensor if target is None else target).view(-1).copy_(piece)
+        targets = [tensor if target is None else target for tensor, target in zip(tensors, outputs)]
+        torch._foreach_copy_(targets, _unflatten_dense_tensors(out, targets))
     return True
 
 
