@@ -55,6 +55,9 @@ def allreduce_async(
     scales = (prescale_factor, postscale_factor)
     if tracing():
         compiled.no_handle("allreduce_async", "allreduce")
+    ahead = _direct.allreduce_async(tensor, False, name, op, average, *scales, process_set)
+    if ahead is not None:
+        return ahead
     return _allreduce([tensor], False, name, op, average, *scales, process_set, False)
 
 
@@ -71,6 +74,9 @@ def allreduce_async_(
     scales = (prescale_factor, postscale_factor)
     if tracing():
         compiled.no_handle("allreduce_async_", "allreduce_")
+    ahead = _direct.allreduce_async(tensor, True, name, op, average, *scales, process_set)
+    if ahead is not None:
+        return ahead
     return _allreduce([tensor], True, name, op, average, *scales, process_set, False)
 
 

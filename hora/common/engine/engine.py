@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from typing import Protocol
 
 from hora.common.engine.autotune import Autotuner
 from hora.common.engine.communicators import Communicators
@@ -51,6 +52,18 @@ from hora.common.vocabulary.message import Request, RequestType
 from hora.common.vocabulary.timeline_writer import Timeline
 
 logger = logging.getLogger("hora")
+
+
+class SignedAhead(Protocol):
+    """An asynchronous call signed ahead on a lane, whose decision is taken later."""
+
+    def force(self) -> None:
+        """Settle it now (deciding ``engine`` where no decision can be taken yet); called by
+        any thread that holds no lane's lock."""
+
+    def flush(self) -> None:
+        """Settle it if a decision was taken, without blocking (the engine's thread, between
+        cycles: a call the lane left to the engine must reach it while its peers wait)."""
 
 
 class Engine:
@@ -109,6 +122,15 @@ class Engine:
         self.tracer = Tracer(nvtx_ranges() if settings.enable_nvtx else None)
         # What the engine did, for live metrics (hora.common.metrics reads it at step ends).
         self.counters = Counters()
+        # A call signed ahead on a lane and not settled yet (hora.common.ops.direct): at most
+        # one per process, settled before any other call and at shutdown.
+        self.signed_ahead: SignedAhead | None = None
+        # Whether this process's asynchronous calls are signed ahead: it waited for its last
+        # call before making another (set when it waits; see hora.common.ops.direct). A process
+        # that starts many before it waits for any gets them batched by the engine instead.
+        self.signs_ahead = False
+        # The handle made while the process held no other (0: the last one was not).
+        self.lone_handle = 0
         self._thread: threading.Thread | None = None
         self._watcher: Watcher | None = None
         self._finisher = Finisher(
@@ -164,6 +186,7 @@ class Engine:
 
     def shutdown(self, reason: str | None = None) -> None:
         """Stop this rank's engine and, through negotiation, every other rank's."""
+        self.settle_ahead()
         self.intake.request_shutdown(
             reason or f"rank {self.rank} called hvd.shutdown()", orderly=True
         )
@@ -302,12 +325,20 @@ class Engine:
             HoraValueError: a name is already in flight on this rank in its process set.
             HoraInternalError: the engine has stopped.
         """
+        self.settle_ahead()
         if not posted and entries:
             lane = self._communicators.lane(entries[0].request.process_set_id)
             if lane is not None:
                 with lane.lock:
                     lane.post()
         self.intake.submit(entries, self.tracer.now(), self.replay.admit)
+
+    def settle_ahead(self) -> None:
+        """Settle this process's call signed ahead, if any, before it makes another call (the
+        caller holds no lane's lock)."""
+        ahead = self.signed_ahead
+        if ahead is not None:
+            ahead.force()
 
     def register_process_set(self, ranks: tuple[int, ...], remove: bool = False) -> Handle:
         """Negotiate adding (or removing) a process set; the handle's result is its id."""
@@ -332,7 +363,9 @@ class Engine:
     def _loop(self) -> None:
         try:
             while self._cycle.run():
-                pass
+                ahead = self.signed_ahead
+                if ahead is not None:
+                    ahead.flush()
         except TransportError as exc:
             self.intake.hand_back_taken()
             self._transport_failed(str(exc))

@@ -10,7 +10,7 @@ values; it holds no engine state.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -63,6 +63,7 @@ class Handle:
         "kind",
         "observer",
         "results",
+        "settle",
     )
 
     def __init__(
@@ -92,12 +93,18 @@ class Handle:
         if not self._done:
             self._latch.acquire()
         self._opening = opening if opening is not None else threading.Lock()
+        # For a call signed ahead on a lane (hora.common.ops.direct): settles it on the thread
+        # that polls (False: without waiting) or waits (True) for this handle.
+        self.settle: Callable[[bool], None] | None = None
 
     def done(self) -> bool:
         return self._done
 
     def poll(self) -> bool:
         """Whether the result is in; tells the observer when it is not (never blocks)."""
+        settle = self.settle
+        if settle is not None and not self._done:
+            settle(False)
         if self._done:
             if self.observer is not None and self.keys:
                 self.observer.consumed(self)
@@ -113,6 +120,9 @@ class Handle:
             HoraInternalError: the operation failed on this rank.
         """
         observer = self.observer
+        settle = self.settle
+        if settle is not None and not self._done:
+            settle(True)
         if not self._done:
             if observer is not None:
                 observer.waiting(self, True)
@@ -140,6 +150,10 @@ class Handle:
         self._remaining -= len(values)
         if self._remaining == 0 and self.error is None:
             self._open()
+
+    def fail(self, message: str) -> None:
+        """The call failed on the caller's own thread (the fast path)."""
+        self._fail(message)
 
     def _set(self, index: int, value: object) -> None:
         self.results[index] = value

@@ -196,6 +196,23 @@ class Intake:
                 if unconsumed.get(key) is handle:
                     del unconsumed[key]
 
+    def busy(self) -> bool:
+        """Whether calls of this process are in flight on the engine (a hint: read unlocked)."""
+        return bool(self._in_flight)
+
+    def claim(self, key: Key, name: str, handle: Handle) -> None:
+        """Hold ``key`` for ``handle``, a call that a caller's thread runs (and may hand to
+        :meth:`submit` later), as :meth:`submit` holds the keys of the calls it queues.
+
+        Raises:
+            HoraValueError: a name is already in flight on this rank in its process set.
+        """
+        with self._wakeup:
+            if key in self._in_flight or self._in_use(key, handle):
+                raise HoraValueError(DUPLICATE_NAME.format(name=name))
+            self._unconsumed[key] = handle
+            handle.keys += (key,)
+
     def _in_use(self, key: Key, handle: Handle) -> bool:
         """Whether an earlier call under ``key`` still holds it (called under the lock).
 

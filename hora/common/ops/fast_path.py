@@ -117,6 +117,7 @@ def run(
         HoraInternalError: a member was lost, or the wait timed out (the engine fails the
             job as it would for a failed collective).
     """
+    engine.settle_ahead()
     members = engine.process_sets.members(set_id)
     signature = _signature(engine, kind, name, tensors, fields, members)
     issued = engine.counters.now()

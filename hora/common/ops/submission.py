@@ -294,13 +294,16 @@ def to_engine(
     named: bool,
     posted: bool,
     fields: RequestFields,
+    handle: Handle | None = None,
 ) -> Handle:
     """Hand a call named ``base`` to the engine; ``posted`` when its number was taken on the
     set's lane (which decided it goes to the engine). ``named``: a grouped call the caller
-    named, whose requests the session keeps."""
+    named, whose requests the session keeps. The result goes to ``handle`` (by default a new
+    one)."""
     current = session()
     engine = current.engine
-    handle = engine.handle(len(tensors), kind, grouped)
+    if handle is None:
+        handle = engine.handle(len(tensors), kind, grouped)
     if named:
         requests = _grouped_requests(current.grouped_calls, kind, base, tensors, set_id, fields)
     else:
@@ -478,7 +481,11 @@ def _handles() -> dict[int, HandleEntry]:
 
 def register(handle: Handle, post: Callable[[list[Any]], Any] | None = None) -> int:
     """The integer handle a caller keeps for ``handle`` (Horovod's handles are integers)."""
-    session().handles[handle.id] = (handle, post)
+    current = session()
+    handles = current.handles
+    # A handle made while no other is held, waited for before the next one (see wait()).
+    current.engine.lone_handle = 0 if handles else handle.id
+    handles[handle.id] = (handle, post)
     return handle.id
 
 
@@ -500,9 +507,15 @@ def wait(handle: int) -> Any:
     Raises:
         HoraInternalError: the operation failed (mismatch between ranks, lost peer, shutdown).
     """
-    entry = _handles().pop(handle, None)
-    if entry is None:
+    current = runtime().session
+    entry = None if current is None else current.handles.pop(handle, None)
+    if entry is None or current is None:
         return None
+    # Waiting for the only call it holds, made with no other held, this process waits for its
+    # calls one by one: its next asynchronous calls may be signed ahead on a lane
+    # (hora.common.ops.direct). One that started several first gets the engine's batches.
+    engine = current.engine
+    engine.signs_ahead = handle == engine.lone_handle == engine.handles_made
     op_handle, post = entry
     holders = runtime().holders
     if holders and not op_handle.done():

@@ -126,6 +126,12 @@ def _tag(epoch: int, seq: int) -> int:
     return epoch << 32 | seq
 
 
+_SEQ_MASK = (1 << 32) - 1
+# How a member takes the decision on a call signed ahead (Lane.settle): waiting as a signed call
+# does, looking once, or looking once and deciding "engine" where no decision can be taken yet.
+WAIT, PEEK, FORCE = 0, 1, 2
+
+
 class Lane:
     """One member's view of a lane segment (see the module's docstring).
 
@@ -174,6 +180,9 @@ class Lane:
         self._spin_s = spin_time(self.size)
         self._epoch = 0
         self._seq = 0
+        # A call signed ahead, not settled yet: its mark and signature, and what settles it.
+        self._ahead: tuple[int, Signature] | None = None
+        self._settle_ahead: Callable[[], None] | None = None
         self._bells = 0
         self._half = 0
         self._arrivals = 0
@@ -192,6 +201,7 @@ class Lane:
 
     def post(self) -> None:
         """This member's next call goes to the engine: take its number, tell the others."""
+        self._before_next_number()
         self._seq += 1
         mark = _tag(self._epoch, self._seq)
         line = self._lines[self.rank]
@@ -206,6 +216,46 @@ class Lane:
         64-bit words) with the first :attr:`room` bytes of ``data`` (multiplied by ``scale``),
         post, and wait for the call's decision: whether every member runs it here (then each
         calls the collective's own method next, and :meth:`finish` once it read the heads)."""
+        mark = self._publish(signature, data, scale)
+        decision = self._decide(mark, signature, WAIT)
+        return self._concluded(mark, decision)
+
+    def sign_ahead(
+        self,
+        signature: Signature,
+        data: torch.Tensor,
+        scale: float,
+        settle: Callable[[], None],
+    ) -> None:
+        """Sign this member's next call as :meth:`sign` does, without waiting for its
+        decision: the call is *signed ahead* (an asynchronous call), and :meth:`settle` takes
+        its decision later. Before this member takes another number, ``settle`` is called
+        (under the lane's lock): it must settle the call, with ``settle(FORCE)`` at least."""
+        self._ahead = (self._publish(signature, data, scale), signature)
+        self._settle_ahead = settle
+
+    def settle(self, mode: int) -> bool | None:
+        """The decision on the call signed ahead: ``True`` (every member runs it here: the
+        collective's own method next, which calls :meth:`finish`), ``False`` (the engine's),
+        or ``None`` while none can be taken yet (``PEEK`` only). ``WAIT`` waits as
+        :meth:`sign` does; ``FORCE`` decides ``engine`` where no decision can be taken yet."""
+        assert self._ahead is not None, "no call is signed ahead"
+        mark, signature = self._ahead
+        decision = self._decide(mark, signature, mode)
+        if not decision:
+            return None
+        self._ahead = None
+        self._settle_ahead = None
+        return self._concluded(mark, decision)
+
+    @property
+    def ahead(self) -> bool:
+        """Whether this member has a call signed ahead, not settled yet."""
+        return self._ahead is not None
+
+    def _publish(self, signature: Signature, data: torch.Tensor | None, scale: float) -> int:
+        """Take the next number, write the signature and the head's data, post; the mark."""
+        self._before_next_number()
         self._seq += 1
         mark = _tag(self._epoch, self._seq)
         line = self._lines[self.rank]
@@ -215,17 +265,27 @@ class Lane:
             count = min(numel, self.room // data.element_size())
             own = self._heads_of(data.dtype, count)[self.rank]
             _copy_scaled(own, data if count == numel else data[:count], scale)
-        words = signature
-        line[_SIGNATURE], line[_SIGNATURE + 1], line[_SIGNATURE + 2] = words
+        line[_SIGNATURE], line[_SIGNATURE + 1], line[_SIGNATURE + 2] = signature
         line[_SIGNED] = mark
         line[_POST] = mark
         self._ring()
-        inline = self._decide(mark, words)
+        return mark
+
+    def _concluded(self, mark: int, decision: int) -> bool:
+        inline = decision == _INLINE
         if inline:
             self.inline_calls += 1
         else:
-            line[_CONSUMED] = mark
+            self._lines[self.rank][_CONSUMED] = mark
         return inline
+
+    def _before_next_number(self) -> None:
+        """Settle a call signed ahead before this member takes another number (its head and
+        its number must be done with first)."""
+        if self._settle_ahead is not None:
+            self._settle_ahead()
+        if self._ahead is not None:
+            raise TransportError("a call signed ahead on the fast path was not settled")
 
     def signed(self, member: int) -> Signature:
         """The signature ``member`` signed its last signed call with."""
@@ -240,12 +300,14 @@ class Lane:
 
     def begin_join(self) -> None:
         """This member joins: the others' calls go to the engine until every member joined."""
+        self._before_next_number()
         self._lines[self.rank][_JOINING] = self._epoch + 1
         self._ring()
 
     def new_epoch(self) -> None:
         """Every member has joined (this member's ``join`` returned): numbers restart, in an
         epoch that no earlier mark matches."""
+        self._before_next_number()
         self._epoch += 1
         self._seq = 0
         mark = _tag(self._epoch, 0)
@@ -255,18 +317,22 @@ class Lane:
         line[_POST] = mark
         self._ring()
 
-    def _decide(self, mark: int, words: Sequence[int]) -> bool:
-        cell = self._seq % CELLS
+    def _decide(self, mark: int, words: Sequence[int], mode: int) -> int:
+        """The decision on ``mark`` (:data:`_INLINE` or :data:`_ENGINE`), taken by this member
+        if no other member took it yet; 0 when ``PEEK`` finds none can be taken yet."""
+        cell = (mark & _SEQ_MASK) % CELLS
         cells = self._cells
         started = time.monotonic()
-        settle_until = started + SETTLE_S
+        settle_until = started if mode == FORCE else started + SETTLE_S
         while True:
             value = cells[cell]
             if value >> 2 == mark:
-                return value & 3 == _INLINE
+                return value & 3
             verdict, waiting_for = self._verdict(mark, words)
             if not verdict and time.monotonic() >= settle_until:
-                verdict = _ENGINE
+                verdict = _ENGINE if mode != PEEK else 0
+            if mode == PEEK and (not verdict or self._lagging(value >> 2) is not None):
+                return 0
             if verdict:
                 lagging = self._lagging(value >> 2)
                 if lagging is None:

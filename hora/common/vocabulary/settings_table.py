@@ -419,8 +419,9 @@ FAST_PATH = Variable(
     "`1` (the default): a synchronous allreduce (grouped or not), broadcast or barrier of CPU "
     "tensors on a process set whose ranks all share one host runs on the calling thread, "
     "straight on shared memory, when every rank of the set makes the same call at the same "
-    "place in its sequence of calls on the set; any other call, or a call some rank makes "
-    "differently, goes through the engine. `0`: every call goes through the engine (to "
+    "place in its sequence of calls on the set (an asynchronous allreduce of one tensor of "
+    "at most 1 MiB too, run when its handle is waited for); any other call, or a call some "
+    "rank makes differently, goes through the engine. `0`: every call goes through the engine (to "
     "compare, or to rule the fast path out); see "
     "[docs/engine.md](engine.md#the-fast-path-synchronous-calls-on-the-callers-thread). "
     f"{_SAME_ON_EVERY_RANK}",
