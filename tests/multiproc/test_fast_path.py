@@ -231,7 +231,7 @@ def test_direct_and_general_calls_meet_on_the_lane(np: int) -> None:
 def _signed_ahead() -> dict[str, Any]:
     """Asynchronous small allreduces, signed ahead on the lane and settled every way: waited for
     at once, several in flight, polled, interleaved with a call on another set, asynchronous on
-    one rank only, and one left unsettled until shutdown."""
+    one rank only, and one never waited for."""
     import time
 
     import torch
@@ -269,10 +269,11 @@ def _signed_ahead() -> dict[str, Any]:
         values.append(hvd.allreduce(scaled, op=hvd.Sum, prescale_factor=2).tolist())
     average = hvd.allreduce_async(torch.ones(2) * rank, name="average")
     values.append(hvd.synchronize(average).tolist())
-    if rank == 0:  # never waited for: shutdown settles it, and the others' call completes
+    if rank == 0:  # never waited for: the next call settles it, and the others' completes
         hvd.allreduce_async_(torch.ones(1), name="left", op=hvd.Sum)
     else:
         values.append(hvd.allreduce(torch.ones(1), name="left", op=hvd.Sum).tolist())
+    values.append(hvd.allreduce(torch.ones(1), name="final", op=hvd.Sum).tolist())
     hvd.shutdown()
     return {"values": values, "at once": at_once}
 
@@ -291,7 +292,8 @@ def test_asynchronous_calls_signed_ahead_settle_every_way(np: int) -> None:
     tail += [[total / np] * 2]
     for rank, result in enumerate(results):
         mine = expected + (crossing if rank < 2 else []) + tail
-        assert result["values"] == mine + ([] if rank == 0 else [[float(np)]]), result
+        mine += ([] if rank == 0 else [[float(np)]]) + [[float(np)]]
+        assert result["values"] == mine, result
     # Waited for at once, calls meet on the lane (a busy machine may leave some to the
     # engine: a member that arrives more than the settle time late).
     assert all(r["at once"] >= 1 for r in results), results

@@ -57,9 +57,10 @@ logger = logging.getLogger("hora")
 class SignedAhead(Protocol):
     """An asynchronous call signed ahead on a lane, whose decision is taken later."""
 
-    def force(self) -> None:
-        """Settle it now (deciding ``engine`` where no decision can be taken yet); called by
-        any thread that holds no lane's lock."""
+    def force(self, ending: bool) -> None:
+        """Settle it now: before another call, ``engine`` unless decided; when the session
+        ends (``ending``), inline where every member signed it. Called by a thread that holds
+        no lane's lock."""
 
     def flush(self) -> None:
         """Settle it if a decision was taken, without blocking (the engine's thread, between
@@ -186,7 +187,7 @@ class Engine:
 
     def shutdown(self, reason: str | None = None) -> None:
         """Stop this rank's engine and, through negotiation, every other rank's."""
-        self.settle_ahead()
+        self.settle_ahead(ending=True)
         self.intake.request_shutdown(
             reason or f"rank {self.rank} called hvd.shutdown()", orderly=True
         )
@@ -333,12 +334,12 @@ class Engine:
                     lane.post()
         self.intake.submit(entries, self.tracer.now(), self.replay.admit)
 
-    def settle_ahead(self) -> None:
-        """Settle this process's call signed ahead, if any, before it makes another call (the
-        caller holds no lane's lock)."""
+    def settle_ahead(self, ending: bool = False) -> None:
+        """Settle this process's call signed ahead, if any, before it makes another call or
+        as the session ends (the caller holds no lane's lock)."""
         ahead = self.signed_ahead
         if ahead is not None:
-            ahead.force()
+            ahead.force(ending)
 
     def register_process_set(self, ranks: tuple[int, ...], remove: bool = False) -> Handle:
         """Negotiate adding (or removing) a process set; the handle's result is its id."""

@@ -35,7 +35,7 @@ from hora.common.ops import fast_path, submission
 from hora.common.process_sets import ProcessSet
 from hora.common.runtime import runtime
 from hora.common.transport import TransportError
-from hora.common.transport.shm_lane import FORCE, PEEK, WAIT, Lane, Signature
+from hora.common.transport.shm_lane import FORCE, LOOK, PEEK, SETTLE, WAIT, Lane, Signature
 from hora.common.vocabulary.errors import HoraInternalError
 from hora.common.vocabulary.message import ReduceOp, RequestType, make_key
 
@@ -169,7 +169,6 @@ def allreduce_async(
             lane.sign_ahead(call.signature, call.flat, call.prescale, ahead.forced)
             handle.settle = ahead.settle
             engine.signed_ahead = ahead
-            ahead.take(PEEK)  # this member signed last: every member may have signed alike
             return submission.register(handle)
     return submission.register(call.to_engine(handle, posted=False))
 
@@ -202,9 +201,12 @@ class _Ahead:
         finally:
             lock.release()
 
-    def force(self) -> None:
+    def force(self, ending: bool) -> None:
         with self.call.lane.lock:
-            self.forced()
+            if not ending:
+                self.forced()
+            elif self.open:
+                self.take(SETTLE)  # runs where every member signed it, for all of them
 
     def forced(self) -> None:
         """Before another call (from the lane under its lock, or the engine): settle now."""
@@ -213,7 +215,14 @@ class _Ahead:
             self.take(FORCE)
 
     def flush(self) -> None:
-        self.settle(False)
+        lock = self.call.lane.lock
+        if not lock.acquire(blocking=False):
+            return  # a caller's thread is on the lane, and settles it first
+        try:
+            if self.open:
+                self.take(LOOK)  # acts on a decision taken; takes none itself
+        finally:
+            lock.release()
 
     def take(self, mode: int) -> None:
         """Take the decision (under the lane's lock) and act on it."""

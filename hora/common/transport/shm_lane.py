@@ -128,8 +128,12 @@ def _tag(epoch: int, seq: int) -> int:
 
 _SEQ_MASK = (1 << 32) - 1
 # How a member takes the decision on a call signed ahead (Lane.settle): waiting as a signed call
-# does, looking once, or looking once and deciding "engine" where no decision can be taken yet.
-WAIT, PEEK, FORCE = 0, 1, 2
+# does; looking once, deciding where the members' lines allow; deciding now, "engine" where the
+# lines allow no other (at the end of a session: the call runs if every member signed it);
+# deciding "engine" unless a decision was taken (the member makes another call first: an
+# engine's batch keeps a burst of calls together, where inline runs would split it); or only
+# reading a decision taken.
+WAIT, PEEK, SETTLE, FORCE, LOOK = 0, 1, 2, 3, 4
 
 
 class Lane:
@@ -237,8 +241,10 @@ class Lane:
     def settle(self, mode: int) -> bool | None:
         """The decision on the call signed ahead: ``True`` (every member runs it here: the
         collective's own method next, which calls :meth:`finish`), ``False`` (the engine's),
-        or ``None`` while none can be taken yet (``PEEK`` only). ``WAIT`` waits as
-        :meth:`sign` does; ``FORCE`` decides ``engine`` where no decision can be taken yet."""
+        or ``None`` while none is taken (``PEEK``, ``LOOK``). ``WAIT`` waits as :meth:`sign`
+        does; ``PEEK`` decides where the members' lines allow; ``SETTLE`` decides now (``engine``
+        where the lines allow no other); ``FORCE`` decides ``engine`` unless a decision was
+        taken; ``LOOK`` only reads a decision taken."""
         assert self._ahead is not None, "no call is signed ahead"
         mark, signature = self._ahead
         decision = self._decide(mark, signature, mode)
@@ -319,18 +325,18 @@ class Lane:
 
     def _decide(self, mark: int, words: Sequence[int], mode: int) -> int:
         """The decision on ``mark`` (:data:`_INLINE` or :data:`_ENGINE`), taken by this member
-        if no other member took it yet; 0 when ``PEEK`` finds none can be taken yet."""
+        if no other member took it yet; 0 when ``PEEK`` or ``LOOK`` finds none taken."""
         cell = (mark & _SEQ_MASK) % CELLS
         cells = self._cells
         started = time.monotonic()
-        settle_until = started if mode == FORCE else started + SETTLE_S
+        settle_until = started + SETTLE_S
         while True:
             value = cells[cell]
             if value >> 2 == mark:
                 return value & 3
-            verdict, waiting_for = self._verdict(mark, words)
-            if not verdict and time.monotonic() >= settle_until:
-                verdict = _ENGINE if mode != PEEK else 0
+            if mode == LOOK:
+                return 0
+            verdict, waiting_for = self._proposal(mark, words, mode, settle_until)
             if mode == PEEK and (not verdict or self._lagging(value >> 2) is not None):
                 return 0
             if verdict:
@@ -349,6 +355,18 @@ class Lane:
             now = time.monotonic()
             if now - started > self._spin_s:
                 self._sleep_on(waiting_for, now + BELL_SLICE_S)
+
+    def _proposal(
+        self, mark: int, words: Sequence[int], mode: int, settle_until: float
+    ) -> tuple[int, int]:
+        """The decision this member would take for ``mark`` now (0: none yet), and a member
+        not posted yet: ``FORCE`` proposes ``engine``; ``WAIT``, past the settle time, too."""
+        if mode == FORCE:
+            return _ENGINE, -1
+        verdict, waiting_for = self._verdict(mark, words)
+        if not verdict and (mode == SETTLE or (mode == WAIT and time.monotonic() >= settle_until)):
+            verdict = _ENGINE
+        return verdict, waiting_for
 
     def _verdict(self, mark: int, words: Sequence[int]) -> tuple[int, int]:
         """The decision the members' lines give for ``mark`` (0: none yet), and a member not
