@@ -18,6 +18,7 @@ import torch
 
 from hora.common import api, metrics
 from hora.common.ops import engine_facts, submission
+from hora.common.ops.repeated import RepeatedAllreduce
 from hora.common.startup.timeline import current_timeline
 from hora.common.vocabulary.timeline_writer import TRAINING_ROW
 from hora.torch import compiled_optimizer, ops
@@ -72,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups: list[list[torch.Tensor]] = []
         self._group_ready: dict[int, set[torch.Tensor]] = {}
         # Per parameter reduced on its own: its allreduce, with the request made once.
-        self._reducers: dict[torch.Tensor, submission.RepeatedAllreduce] = {}
+        self._reducers: dict[torch.Tensor, RepeatedAllreduce] = {}
         # In the steady state, the small gradients the engine reduces in one batch are submitted
         # together once the last of them is in (see _batches_now). Per batch: the gradients held
         # so far in this backward pass (None: not looked up yet in this pass) and how many are
@@ -101,7 +102,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         options = self._options
         for p in params:
             if p not in self._group_of:
-                self._reducers[p] = submission.RepeatedAllreduce(
+                self._reducers[p] = RepeatedAllreduce(
                     self._parameter_names[p],
                     options.op,
                     *options.scales,

@@ -195,7 +195,7 @@ def test_the_compression_setting_picks_a_compressor_for_the_default_only(
 
 def _lending_worker() -> dict[str, Any]:
     """Steady-state training whose gradients adopt views of the engine's buffers (see
-    hora.common.ops.submission.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
+    hora.common.ops.repeated.RepeatedAllreduce): with zero_grad()'s default, with gradients kept and
     zeroed in place, and with a caller that keeps every step's gradients."""
     import hora.torch as hvd
     from hora.common import basics

@@ -55,7 +55,7 @@ def _process_sets_worker(size: int) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
-    from hora.common.ops.submission import RepeatedAllreduce
+    from hora.common.ops.repeated import RepeatedAllreduce
 
     static = hvd.ProcessSet(range(size - 1))
     # Horovod's queries before registration: size and rank are None; included needs init.

@@ -254,11 +254,6 @@ class Lane:
         self._settle_ahead = None
         return self._concluded(mark, decision)
 
-    @property
-    def ahead(self) -> bool:
-        """Whether this member has a call signed ahead, not settled yet."""
-        return self._ahead is not None
-
     def _publish(self, signature: Signature, data: torch.Tensor | None, scale: float) -> int:
         """Take the next number, write the signature and the head's data, post; the mark."""
         self._before_next_number()
@@ -427,7 +422,7 @@ class Lane:
         numel = flat.numel()
         first = min(numel, self.room // flat.element_size())
         heads = self._heads_of(flat.dtype, first)
-        self._reduce(function, heads, out if first == numel else out[:first])
+        _reduce(function, heads, out if first == numel else out[:first])
         self.finish()
         if first == numel:
             return
@@ -439,7 +434,7 @@ class Lane:
             _copy_scaled(view, flat[start : start + count], scale)
             self._barrier()
             views = [h[half].view(flat.dtype)[:count] for h in self._halves]
-            self._reduce(function, views, out[start : start + count])
+            _reduce(function, views, out[start : start + count])
 
     def broadcast(self, flat: torch.Tensor, out: torch.Tensor, root: int) -> None:
         """The data phase of an inline broadcast of member ``root``'s ``flat`` (its head
@@ -498,17 +493,6 @@ class Lane:
         self._half ^= 1
         return half
 
-    @staticmethod
-    def _reduce(
-        function: Callable[..., torch.Tensor], views: Sequence[torch.Tensor], out: torch.Tensor
-    ) -> None:
-        """Reduce ``views`` into ``out``, in member order."""
-        if not out.numel():
-            return
-        function(views[0], views[1], out=out)
-        for view in views[2:]:
-            function(out, view, out=out)
-
     def _barrier(self) -> None:
         """Arrive, and return once every other member has arrived as often."""
         self._arrivals += 1
@@ -544,6 +528,17 @@ class Lane:
             told = True
             missing = [m for m in self._others if not reached(self._segment.arrival(m), target)]
             self._warn(missing, time.monotonic() - started)
+
+
+def _reduce(
+    function: Callable[..., torch.Tensor], views: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
+    """Reduce ``views`` into ``out``, in member order."""
+    if not out.numel():
+        return
+    function(views[0], views[1], out=out)
+    for view in views[2:]:
+        function(out, view, out=out)
 
 
 def _copy_scaled(target: torch.Tensor, source: torch.Tensor, factor: float) -> None:
