@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from hora.runner.api import run
+    from hora.runner.fork_server import ForkServer
 
 
 def __getattr__(name: str) -> Any:
@@ -24,7 +25,11 @@ def __getattr__(name: str) -> Any:
         from hora.runner.api import run
 
         return run
+    if name == "ForkServer":  # hora's own: workers of hora.run forked from one process
+        from hora.runner.fork_server import ForkServer
+
+        return ForkServer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["HoraInternalError", "HorovodInternalError", "__version__", "run"]
+__all__ = ["ForkServer", "HoraInternalError", "HorovodInternalError", "__version__", "run"]

@@ -31,6 +31,7 @@ from typing import Any
 
 from hora.runner import mpi_launch, options
 from hora.runner.elastic import DiscoveryError, ElasticPlan, plan_elastic
+from hora.runner.fork_server import ForkServer
 from hora.runner.hosts import HostError
 from hora.runner.job import Job, Plan, forwarder_for
 from hora.runner.options import LaunchOptions
@@ -115,6 +116,7 @@ def run(
     timeout_s: float | None = None,
     prefix_output: bool = True,
     ssh_options: Sequence[str] | None = None,
+    fork_server: ForkServer | None = None,
 ) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on every worker of a job and return what each returned.
 
@@ -161,6 +163,9 @@ def run(
         prefix_output: prefix forwarded output lines with ``[rank]<stream>:``.
         ssh_options: hora's own: extra ``ssh -o`` options (``"Key=Value"``), as
             ``--ssh-option``.
+        fork_server: hora's own: a :class:`~hora.runner.fork_server.ForkServer` this machine's
+            workers are forked from, instead of each starting a new interpreter (see
+            docs/launching.md). Ignored under ``use_mpi``.
 
     Returns:
         The value ``func`` returned on each rank, in rank order. An elastic job returns, as
@@ -214,11 +219,15 @@ def run(
     base_env = environment_with(env)
     launch = launch_options(given, executable, base_env)
     payload = pickled_call(func, tuple(args), dict(kwargs or {}))
-    return _run_job(launch, payload, base_env, timeout_s)
+    return _run_job(launch, payload, base_env, timeout_s, fork_server)
 
 
 def _run_job(
-    launch: LaunchOptions, payload: bytes, base_env: Mapping[str, str], timeout_s: float | None
+    launch: LaunchOptions,
+    payload: bytes,
+    base_env: Mapping[str, str],
+    timeout_s: float | None,
+    fork_server: ForkServer | None = None,
 ) -> list[Any]:
     """The job run by its driver (or ``mpirun``), saying what it does under ``verbose``."""
     with _verbose_logging(launch.output.verbose):
@@ -227,7 +236,7 @@ def _run_job(
         if launch.mpi.enabled:
             return _run_mpi(launch, payload, base_env, timeout_s)
         plan = _plan(launch)
-        with _open_job(launch, plan, base_env, payload) as job:
+        with _open_job(launch, plan, base_env, payload, fork_server) as job:
             if isinstance(plan, ElasticPlan):
                 return _run_elastic(job, plan, launch, timeout_s)
             return _run_static(job, plan, launch.np, timeout_s)
@@ -287,7 +296,11 @@ def _check_executable(python: str) -> None:
 
 @contextmanager
 def _open_job(
-    launch: LaunchOptions, plan: Plan, base_env: Mapping[str, str], payload: bytes
+    launch: LaunchOptions,
+    plan: Plan,
+    base_env: Mapping[str, str],
+    payload: bytes,
+    fork_server: ForkServer | None,
 ) -> Iterator[Job]:
     """The job for ``plan``'s driver, as ``horarun``'s, without its signal handlers (this is a
     library call), with the function its workers run (``payload``) in its store; closed on
@@ -300,6 +313,7 @@ def _open_job(
         forwarder=forwarder_for(launch.output),
         record_exits=plan.record_exits,
         launcher_timeout_s=launch.launcher_timeout_s,
+        fork_server=fork_server,
     ) as job:
         job.server.client.set_signed(FUNCTION_KEY, payload)
         yield job
@@ -371,7 +385,7 @@ def _run_mpi(
     assert isinstance(plan, StaticPlan)
     command = mpi_launch.mpirun_command(launch, mpirun, mpi_launch.worker_variables(launch))
     logger.debug("starting the job with %s's launcher: %s", mpirun.flavour, " ".join(command))
-    with _open_job(launch, plan, base_env, payload) as job:
+    with _open_job(launch, plan, base_env, payload, None) as job:
         server = job.server
         process = subprocess.Popen(
             command,

@@ -22,6 +22,7 @@ from typing import Protocol
 from hora.common.job.shm_names import sweep_job
 from hora.common.vocabulary import settings_table as table
 from hora.runner import options
+from hora.runner.fork_server import ForkServer
 from hora.runner.hosts import Slot
 from hora.runner.options import HostOptions, LaunchOptions, OutputOptions
 from hora.runner.remote import (
@@ -155,6 +156,7 @@ class Job:
         record_exits: bool = True,
         handle_signals: bool = False,
         launcher_timeout_s: float | None = None,
+        fork_server: ForkServer | None = None,
     ) -> Job:
         """Start the job's store (with a fresh secret) and make its supervisor.
 
@@ -169,6 +171,7 @@ class Job:
             handle_signals: Ctrl-C or TERM stops every worker before the process exits.
             launcher_timeout_s: how long a watchdog waits for this launcher's heartbeat before
                 it stops its worker (default ``HORA_LAUNCHER_TIMEOUT_SECONDS``).
+            fork_server: forks this machine's workers, when it takes the command.
         """
         network = network or Network()
         server = RendezvousServer(network.bind_address)
@@ -177,6 +180,7 @@ class Job:
             on_exit=server.record_exit if record_exits else None,
             forwarder=forwarder,
             launcher_timeout_s=launcher_timeout_s,
+            fork_server=fork_server,
         )
         if handle_signals:
             install_signal_handlers(supervisor)

@@ -211,10 +211,13 @@ def stdin_payload(
     host: str,
     grace_s: float,
     launcher_timeout_s: float | None = None,
+    fork_fd: int | None = None,
 ) -> bytes:
     """What the launcher writes to a worker's watchdog (here, or through ssh): the bootstrap,
     then the job. ``launcher_timeout_s``: the heartbeats' silence after which the watchdog
-    stops the worker (``None``: never)."""
+    stops the worker (``None``: never). ``fork_fd``: the watchdog's socket to a fork server
+    (:mod:`hora.runner.fork_server`), inherited at this number; ``None``: the watchdog starts
+    the worker itself."""
     source = Path(watchdog.__file__).read_bytes()
     job: dict[str, Any] = {
         "argv": list(argv),
@@ -228,6 +231,8 @@ def stdin_payload(
     }
     if launcher_timeout_s is not None:
         job["launcher_timeout_s"] = launcher_timeout_s
+    if fork_fd is not None:
+        job["fork_fd"] = fork_fd
     return b"%d\n" % len(source) + source + watchdog.encode_job(job)
 
 

@@ -15,6 +15,7 @@ watchdog found stopped (``SIGSTOP``) at that point is named as the cause.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import re
 import select
@@ -26,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import psutil
 
@@ -34,6 +35,9 @@ from hora.common.vocabulary import safe_files
 from hora.common.vocabulary.settings_table import LAUNCHER_TIMEOUT_SECONDS
 from hora.runner.hosts import Slot
 from hora.runner.options import env_seconds
+
+if TYPE_CHECKING:
+    from hora.runner.fork_server import ForkServer
 from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
 from hora.runner.watchdog import CONTROL, die_with_parent, parse_control
 
@@ -375,6 +379,7 @@ class Supervisor:
         forwarder: how output is copied.
         launcher_timeout_s: how long each watchdog waits for a heartbeat of this launcher before
             it stops its worker; default ``HORA_LAUNCHER_TIMEOUT_SECONDS``.
+        fork_server: where this host's workers are forked, for the commands it takes.
     """
 
     def __init__(
@@ -382,6 +387,7 @@ class Supervisor:
         on_exit: Callable[[int, str], None] | None = None,
         forwarder: OutputForwarder | None = None,
         launcher_timeout_s: float | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.workers: list[Worker] = []
         self.on_exit = on_exit
@@ -391,6 +397,7 @@ class Supervisor:
         if launcher_timeout_s is None:
             launcher_timeout_s = env_seconds(LAUNCHER_TIMEOUT_SECONDS)
         self.launcher_timeout_s = launcher_timeout_s
+        self.fork_server = fork_server
         self._heart: threading.Thread | None = None
         self._heart_lock = threading.Lock()
 
@@ -406,32 +413,31 @@ class Supervisor:
         given. The command, ``env`` and ``cwd`` (default: ours) go through the watchdog's
         standard input, never on a command line.
         """
+        fork = self.fork_server
+        channel = fork.channel() if ssh is None and fork and fork.takes(command) else None
+        fds = () if channel is None else (channel.fileno(),)
         if ssh is None:
             # No PDEATHSIG here: when the launcher dies the watchdog must live on long enough
             # to stop the worker's whole tree (it sees its standard input close).
-            argv = [sys.executable, "-c", LOADER]
-            preexec = None
+            argv, preexec = [sys.executable, "-c", LOADER], None
         else:
             # The kernel kills ssh with the launcher; its remote watchdog then sees the
             # connection close.
-            argv = [*ssh.argv(slot.hostname), remote_command()]
-            preexec = die_with_parent
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
+            argv, preexec = [*ssh.argv(slot.hostname), remote_command()], die_with_parent
+        with contextlib.nullcontext() if channel is None else channel:  # the watchdog's copy
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=preexec,
+                pass_fds=fds,
+            )
         payload = stdin_payload(
-            command,
-            env,
-            cwd or os.getcwd(),
-            slot.hostname,
-            TERMINATE_GRACE_S,
-            self.launcher_timeout_s,
-        )
+            command, env, cwd or os.getcwd(), slot.hostname, TERMINATE_GRACE_S,
+            self.launcher_timeout_s, fds[0] if fds else None,
+        )  # fmt: skip
         assert process.stdin is not None
         try:
             # The pipe stays open: closing it is how the worker is asked to stop, and the

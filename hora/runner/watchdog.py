@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -51,6 +52,9 @@ from typing import IO, Any
 
 # Marks the watchdog's control lines on the worker's standard output.
 CONTROL = "\0hora-watchdog "
+
+# The largest request a watchdog sends a fork server (hora.runner.fork_server): the job as JSON.
+FORK_REQUEST_BYTES = 1 << 20
 
 # Variables that already choose Gloo's network interface; the watchdog then chooses none.
 
@@ -65,6 +69,11 @@ def _prctl(option: int, value: int) -> None:
         libc.prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the stdin watch still stops the worker
         pass
+
+
+def become_subreaper() -> None:
+    """Linux: orphaned descendants of this process are reparented to it, not to init."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in a child before exec
@@ -199,7 +208,73 @@ def suspended(pid: int) -> bool:
     return bool(fields) and fields[0] in (b"T", b"t")
 
 
-def stop_tree(worker: subprocess.Popen[bytes], grace_s: float) -> None:
+class ForkedWorker:
+    """A worker that a fork server forked (:mod:`hora.runner.fork_server`), as the watchdog
+    uses a ``subprocess.Popen``: ``pid``, ``poll``, ``wait``, ``returncode``. Its status comes on
+    ``channel``; should the server die first, the worker counts as killed once it is gone."""
+
+    def __init__(self, channel: socket.socket, pid: int) -> None:
+        self.channel = channel
+        self.pid = pid
+        self.returncode: int | None = None
+        self._server_gone = False
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            self._read(0.1 if left is None else min(left, 0.1))
+        return self.returncode
+
+    def _read(self, timeout: float) -> None:
+        if self._server_gone:
+            if not os.path.exists(f"/proc/{self.pid}"):
+                self.returncode = -signal.SIGKILL
+            else:
+                time.sleep(timeout)
+            return
+        if not select.select([self.channel], [], [], timeout)[0]:
+            return
+        message = self.channel.recv(64).decode()
+        if message.startswith("exit "):
+            self.returncode = int(message.split()[1])
+        elif not message:
+            self._server_gone = True
+
+
+def fork_worker(fd: int, argv: list[str], env: dict[str, str]) -> ForkedWorker:
+    """Ask the fork server on socket ``fd`` for the worker (``argv``: ``PYTHON -m MODULE ...``);
+    it writes to this process's standard output and error.
+
+    Raises:
+        OSError: the server did not fork it (it is gone, or refused).
+    """
+    channel = socket.socket(fileno=fd)
+    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+    socket.send_fds(channel, [request], [1, 2])
+    reply = channel.recv(64).decode()
+    if not reply.startswith("pid "):
+        raise OSError(0, reply.strip() or "the fork server is gone")
+    return ForkedWorker(channel, int(reply.split()[1]))
+
+
+def _tree(worker: subprocess.Popen[bytes] | ForkedWorker) -> list[int]:
+    """The processes to signal to stop ``worker``: this process's descendants, and a forked
+    worker's own (it is no child of this process)."""
+    found = _descendants(os.getpid())
+    if isinstance(worker, ForkedWorker) and worker.poll() is None:
+        found += [worker.pid, *_descendants(worker.pid)]
+    return found
+
+
+def stop_tree(worker: subprocess.Popen[bytes] | ForkedWorker, grace_s: float) -> None:
     """``SIGTERM`` the worker and every descendant, then ``SIGKILL`` what is left after
     ``grace_s`` seconds."""
     me = os.getpid()
@@ -209,13 +284,13 @@ def stop_tree(worker: subprocess.Popen[bytes], grace_s: float) -> None:
             os.killpg(worker.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-        _signal_all(_descendants(me), sig)
+        _signal_all(_tree(worker), sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if worker.poll() is not None and not [p for p in _descendants(me) if p != worker.pid]:
             return
         time.sleep(0.05)
-    _signal_all(_descendants(me), signal.SIGKILL)
+    _signal_all(_tree(worker), signal.SIGKILL)
     worker.wait()
 
 
@@ -281,7 +356,10 @@ def _send(fd: int, data: bytes) -> None:
 
 
 def _supervise(
-    worker: subprocess.Popen[bytes], link: LauncherLink, stop: threading.Event, grace_s: float
+    worker: subprocess.Popen[bytes] | ForkedWorker,
+    link: LauncherLink,
+    stop: threading.Event,
+    grace_s: float,
 ) -> float | None:
     """Wait for the worker to end; stop it when the launcher asks (or a signal does), or when
     the launcher has gone silent. Returns how long it was silent in that last case."""
@@ -345,18 +423,22 @@ def run(job: dict[str, Any], stdin_fd: int) -> int:
         return 126
     _choose_interface(env, job.get("interface") or {})
     _share_cores(env, job.get("threads") or {})
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    become_subreaper()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
+    worker: subprocess.Popen[bytes] | ForkedWorker
     try:
-        worker = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_prepare_worker,
-        )
+        if job.get("fork_fd") is not None:
+            worker = fork_worker(int(job["fork_fd"]), argv, env)
+        else:
+            worker = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_prepare_worker,
+            )
     except OSError as exc:
         print(
             f"hora: cannot start {argv[0]!r} on host {host} ({exc.strerror}). Check that the "
@@ -372,7 +454,7 @@ def run(job: dict[str, Any], stdin_fd: int) -> int:
     if _descendants(os.getpid()):
         stop_tree(worker, min(grace_s, 1.0))
     _reap_orphans()
-    code = worker.returncode
+    code = worker.wait()  # ended: its status
     sys.stdout.flush()
     if silent is None:
         _control("exit", code)

@@ -5,10 +5,16 @@ raised inside a worker are recorded with :func:`error_of` so one job can check m
 
 ``mpi=True`` runs the same worker under a real ``mpirun`` (the venv's Open MPI, which the venv's
 mpi4py is built for) with ``HORA_CPU_OPERATIONS=mpi``: negotiation and data go over MPI.
+
+Jobs of :func:`run_job` fork their workers from one :class:`~hora.runner.fork_server.ForkServer`
+per test process (``hora.torch`` imported once), as a user's repeated ``hora.run`` calls may:
+about 1.5 s of CPU less per worker. ``HORA_TEST_FORK_SERVER=0`` starts each worker as a new
+interpreter instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -22,10 +28,23 @@ import pytest
 
 import hora
 from hora.runner.api import HoraRunError
+from hora.runner.fork_server import ForkServer
 
 # hora.run's own limit; every test's pytest timeout is longer, so a hang shows as a TimeoutError
 # with the workers' output rather than as a pytest-timeout traceback.
 JOB_TIMEOUT_S = 80.0
+# The fork server of this test process, made at its first job (see the module's docstring).
+_SERVERS: list[ForkServer] = []
+
+
+def fork_server() -> ForkServer | None:
+    """This test process's fork server (``None`` under ``HORA_TEST_FORK_SERVER=0``)."""
+    if os.environ.get("HORA_TEST_FORK_SERVER", "1") == "0":
+        return None
+    if not _SERVERS:
+        _SERVERS.append(ForkServer())
+        atexit.register(_SERVERS[0].close)
+    return _SERVERS[0]
 
 
 def run_job(
@@ -42,7 +61,7 @@ def run_job(
     """
     if mpi:
         return run_mpi(fn, np, args, env, timeout_s)
-    return hora.run(fn, args=args, np=np, env=env, timeout_s=timeout_s)
+    return hora.run(fn, args=args, np=np, env=env, timeout_s=timeout_s, fork_server=fork_server())
 
 
 def run_failing_job(

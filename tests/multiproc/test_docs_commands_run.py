@@ -180,7 +180,14 @@ def test_documented_scripts_run_as_the_docs_tell(
     # The reader's own files, as the docs give them: the README's train.py, launching.md's fail.py.
     (tmp_path / "train.py").write_text(_snippet("README.md", "# train.py"))
     (tmp_path / "fail.py").write_text(_snippet("docs/launching.md", "# fail.py"))
+    (tmp_path / "sweep.py").write_text(_snippet("docs/launching.md", "# sweep.py"))
     runs = [
+        Run(
+            "launching.md",
+            "python sweep.py",
+            expect=(r"^lr 0\.1: \[0\.0934, 0\.0934\] in [\d.]+ s$", r"^lr 0\.01: \[-0\.0777, "),
+            in_tmp=True,
+        ),
         Run(
             "launching.md",
             "horarun -np 2 python train.py",
