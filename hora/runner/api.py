@@ -192,6 +192,10 @@ def run(
     """
     if not callable(func):
         raise TypeError(f"hora.run: func must be callable, got {type(func).__name__}.")
+    if fork_server is not None and not isinstance(fork_server, ForkServer):
+        raise TypeError(
+            f"hora.run: fork_server must be a hora.ForkServer, got {type(fork_server).__name__}."
+        )
     given = {
         "num_proc": one_of("num_proc", num_proc, "np", np),
         "min_num_proc": one_of("min_num_proc", min_num_proc, "min_np", min_np),

@@ -189,6 +189,8 @@ def test_a_killed_watchdog_takes_its_forked_worker_along(
 
 
 def test_a_command_the_server_does_not_take_starts_fresh(server: ForkServer) -> None:
+    with pytest.raises(TypeError, match="fork_server must be a hora.ForkServer, got str"):
+        hora.run(_exit_with, args=(0,), np=1, fork_server="yes")  # type: ignore[arg-type]
     assert server.takes([server.executable, "-m", "hora.runner.task"])
     assert not server.takes(["/usr/bin/python3", "-m", "hora.runner.task"])
     assert not server.takes([server.executable, "train.py"])
@@ -211,3 +213,17 @@ def test_a_module_that_starts_threads_cannot_be_preloaded(tmp_path: Path) -> Non
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = old
+
+
+def _parent() -> int:
+    return os.getppid()
+
+
+def test_a_closed_server_leaves_its_jobs_to_fresh_workers() -> None:
+    closed = ForkServer()
+    pid = closed.pid
+    assert hora.run(_parent, np=1, fork_server=closed) == [pid]
+    closed.close()
+    assert not psutil.pid_exists(pid) or _alive(pid) is False
+    (parent,) = hora.run(_parent, np=1, fork_server=closed, timeout_s=60)
+    assert parent != pid  # started by its watchdog

@@ -52,6 +52,7 @@ PLACEHOLDERS = {
     "train_keras.py",
     "my_train.py",
     "fail.py",
+    "sweep.py",
     "stall.py",
     "latency.py",
     "graph_mode.py",

@@ -884,6 +884,12 @@ UNHEEDED: tuple[Unheeded, ...] = (
     CONTROLLER,
 )
 
-# ``HORA_*`` variables that the scripts in examples/ and ./dev read, not ``hvd.init()``: not
-# named as unknown when set.
-SCRIPT_VARIABLES = ("HORA_VENV", "HORA_APPTAINER_IMAGE", "HORA_EXAMPLE_HOSTS", "HORA_TEST_WORKERS")
+# ``HORA_*`` variables that the scripts in examples/, ./dev and the tests read, not
+# ``hvd.init()``: not named as unknown when set.
+SCRIPT_VARIABLES = (
+    "HORA_VENV",
+    "HORA_APPTAINER_IMAGE",
+    "HORA_EXAMPLE_HOSTS",
+    "HORA_TEST_WORKERS",
+    "HORA_TEST_FORK_SERVER",
+)
