@@ -15,9 +15,10 @@ standard output and error, and the fork server forks the worker into its own ses
 * it writes the watchdog's ``pid`` control line itself, runs ``python -m MODULE ARGS`` as a fresh
   interpreter would (``runpy``), waits for its non-daemon threads, runs its ``atexit`` functions
   and exits with the module's status;
-* it applies what the interpreter reads at start-up and PyTorch at import: ``OMP_NUM_THREADS``
-  (``torch.set_num_threads``), ``PYTHONUNBUFFERED``; numpy's global random state is seeded
-  afresh (Python's ``random`` is by the fork itself), so workers do not share a random stream;
+* it applies what the interpreter reads at start-up and PyTorch at import: the working
+  directory and ``PYTHONPATH`` on ``sys.path``, ``OMP_NUM_THREADS`` (``torch.set_num_threads``),
+  ``PYTHONUNBUFFERED``; numpy's global random state is seeded afresh (Python's ``random`` is by
+  the fork itself), so workers do not share a random stream;
 * the fork server reports its exit status to the watchdog, and kills the worker's process group
   when the watchdog's socket closes (the watchdog died): what ``PR_SET_PDEATHSIG`` does for a
   worker the watchdog started itself.
@@ -275,7 +276,10 @@ def _worker(job: dict[str, Any], fds: Sequence[int], inherited: Sequence[socket.
 
 def _as_started_fresh() -> None:
     """What a new interpreter (and PyTorch, at import) would have taken from the job's
-    environment, and a random state of its own."""
+    environment and working directory, and a random state of its own."""
+    # ``python -m`` puts the working directory first on the path, then PYTHONPATH's entries.
+    entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    sys.path[:1] = [os.getcwd(), *(e for e in entries if e not in sys.path)]
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):

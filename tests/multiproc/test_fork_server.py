@@ -227,3 +227,25 @@ def test_a_closed_server_leaves_its_jobs_to_fresh_workers() -> None:
     assert not psutil.pid_exists(pid) or _alive(pid) is False
     (parent,) = hora.run(_parent, np=1, fork_server=closed, timeout_s=60)
     assert parent != pid  # started by its watchdog
+
+
+def test_a_function_found_through_the_jobs_pythonpath_runs_forked(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """As ``python -m`` would: the job's PYTHONPATH (and working directory) on ``sys.path``,
+    whatever the server's was when it started."""
+    import importlib
+    import sys
+
+    (tmp_path / "user_module_of_the_job.py").write_text(
+        "import os\n\ndef where():\n    return __file__, os.getcwd()\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        where = importlib.import_module("user_module_of_the_job").where
+        env = {"PYTHONPATH": str(tmp_path)}
+        results = hora.run(where, np=2, env=env, timeout_s=60, fork_server=server)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("user_module_of_the_job", None)
+    assert results == [(str(tmp_path / "user_module_of_the_job.py"), os.getcwd())] * 2
