@@ -120,6 +120,18 @@ def die_inside_init():
 
 if me == os.environ["KILL_ID"]:
     threading.Thread(target=die_inside_init, daemon=True).start()
+    if os.environ.get("KILL_HOLD_GLOO_S"):
+        # Held before its Gloo set-up, so that the kill lands inside init (while the other
+        # ranks connect to it) however fast the machine is.
+        from hora.common.transport import gloo
+
+        connect = gloo.GlooCommunicator.__init__
+
+        def held(self, *args, **kwargs):
+            time.sleep(float(os.environ["KILL_HOLD_GLOO_S"]))
+            connect(self, *args, **kwargs)
+
+        gloo.GlooCommunicator.__init__ = held
 hvd.init()
 state = hvd.elastic.TorchState(model=torch.nn.Linear(2, 1), step=0)
 
@@ -288,8 +300,14 @@ def test_too_few_slots_stop_the_job_after_the_elastic_timeout(tmp_path: Path) ->
         # goes, the host stays.
         (2, [], "localhost:1", 0.0, {}),
         (3, [], "localhost:1", 0.0, {}),
-        # Two "hosts" over Gloo, killed a moment later: while Gloo connects.
-        (2, ["-H", "127.0.0.2:1,127.0.0.3:1"], "127.0.0.3:0", 0.01, {"HORA_SHARED_MEMORY": "0"}),
+        # Two "hosts" over Gloo, killed a moment later: while the other rank's Gloo connects.
+        (
+            2,
+            ["-H", "127.0.0.2:1,127.0.0.3:1"],
+            "127.0.0.3:0",
+            0.01,
+            {"HORA_SHARED_MEMORY": "0", "KILL_HOLD_GLOO_S": "1"},
+        ),
     ],
     ids=["np2-one-host", "np3-one-host", "np2-two-hosts-gloo"],
 )
