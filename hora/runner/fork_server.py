@@ -23,7 +23,10 @@ standard output and error, and the fork server forks the worker into its own ses
   when the watchdog's socket closes (the watchdog died): what ``PR_SET_PDEATHSIG`` does for a
   worker the watchdog started itself.
 
-The fork server runs no thread of its own and serves requests one at a time. Only commands of
+The fork server listens on nothing: the launcher reaches it over a socket pair made when it
+started, and each watchdog over a socket the launcher hands it at its start, so no other
+process (no other user) can ask it for anything. It runs no thread of its own and serves
+requests one at a time. Only commands of
 the form ``PYTHON -m MODULE ...`` with the server's own ``PYTHON`` are forked; anything else
 starts as a new process, as without a server. Remote workers (over SSH) always do.
 """
@@ -50,6 +53,8 @@ from hora.runner.watchdog import CONTROL, FORK_REQUEST_BYTES, become_subreaper, 
 # What a PyTorch worker imports anyway: hora and PyTorch, and PyTorch's compiler, which PyTorch
 # imports when the first optimizer is made (0.8 s of CPU).
 PRELOAD = ("hora.torch", "torch._dynamo")
+# How long the server may take to import its modules before it counts as failed.
+START_TIMEOUT_S = 300.0
 # The requests' descriptors: the worker's standard output and error.
 _FDS = 2
 
@@ -90,7 +95,13 @@ class ForkServer:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
-        ready = ours.recv(4096)
+        ours.settimeout(START_TIMEOUT_S)
+        try:
+            ready = ours.recv(4096)
+        except TimeoutError:
+            ready = f"its imports took more than {START_TIMEOUT_S:g} s".encode()
+            self._process.kill()
+        ours.settimeout(None)
         if not ready.startswith(b"ready"):
             ours.close()
             assert self._process.stderr is not None
@@ -239,8 +250,12 @@ def _request(
     job = json.loads(data)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the worker; its status is what the tests check
+        # None of the server's sockets stays open in the worker (other watchdogs' channels
+        # among them).
+        registered = [key.fileobj for key in selector.get_map().values()]
+        sockets = [s for s in registered if isinstance(s, socket.socket)]
         selector.close()
-        os._exit(_worker(job, fds, [channel, *ours]))
+        os._exit(_worker(job, fds, [*sockets, *ours]))
     for fd in fds:
         os.close(fd)
     workers[pid] = channel

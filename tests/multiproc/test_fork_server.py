@@ -28,6 +28,17 @@ def server() -> Any:
         yield started
 
 
+def _open_sockets() -> int:
+    """How many sockets this process holds open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return count
+
+
 def _observe(tag: str) -> dict[str, Any]:
     import numpy
     import torch
@@ -48,6 +59,7 @@ def _observe(tag: str) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "draw": float(numpy.random.rand()),
         "stdin": os.read(0, 10),
+        "sockets": _open_sockets(),
     }
     hvd.shutdown()
     return seen
@@ -76,6 +88,8 @@ def test_forked_workers_run_as_fresh_ones(
         assert b["cwd"] == str(tmp_path)
         assert b["ppid"] == server.pid  # forked there, not started by the watchdog
         assert b["sid"] == b["pid"]  # in a session of its own
+        # None of the server's sockets (other workers' channels) stays open in a worker.
+        assert b["sockets"] <= a["sockets"], (a["sockets"], b["sockets"])
     assert len({r["draw"] for r in forked}) == np  # no shared random stream
     out = capfd.readouterr().out
     for rank in range(np):
