@@ -35,11 +35,11 @@ from hora.common.vocabulary import safe_files
 from hora.common.vocabulary.settings_table import LAUNCHER_TIMEOUT_SECONDS
 from hora.runner.hosts import Slot
 from hora.runner.options import env_seconds
+from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
+from hora.runner.watchdog import CONTROL, die_with_parent, parse_control
 
 if TYPE_CHECKING:
     from hora.runner.fork_server import ForkServer
-from hora.runner.remote import LOADER, SshSettings, remote_command, stdin_payload
-from hora.runner.watchdog import CONTROL, die_with_parent, parse_control
 
 STDERR_TAIL_LINES = 20
 # After the first failure, how long the other ranks get to notice and exit on their own.
